@@ -108,6 +108,8 @@ def load_snapshot(path: str | Path) -> dict:
         if msg.startswith("names the global"):
             raise SnapshotError(f"{p}: refused: the pickle {msg}; memory snapshots hold only builtins, "
                                 "so nothing was loaded or run") from None
+        if "truncated" in msg:
+            raise SnapshotError(f"{p}: truncated or corrupt pickle ({msg})") from None
         raise SnapshotError(f"{p}: not a valid pickle ({msg})") from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as exc:
         raise SnapshotError(f"{p}: truncated or corrupt pickle ({type(exc).__name__}: {exc})") from None

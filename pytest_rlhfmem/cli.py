@@ -1,0 +1,134 @@
+"""``rlhfmem``: replay snapshots, run one PPO iteration, diff results, plot Figure 1.
+
+Argument and input errors print one line ``rlhfmem: error: ...`` and exit 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from .units import format_size
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .memory.allocator import AllocatorConfig, AllocatorConfigError
+    from .memory.replay import ANCHORED, agreement, recorded_summary, replay
+    from .memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
+
+    try:
+        snap = load_snapshot(args.snapshot)
+        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+        config = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else recorded_config
+        # Pre-existing blocks are sized with the recorded settings: that is how they were allocated.
+        trace = trace_from_snapshot(snap, device=args.device, config=recorded_config, source=args.snapshot)
+    except (SnapshotError, AllocatorConfigError) as exc:
+        raise CliError(str(exc)) from None
+    capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
+    result = replay(trace, config=config, mode=args.mode, capacity=capacity)
+    rec = recorded_summary(trace)
+    agree = agreement(rec, result, trace.has_segment_events())
+    if args.json:
+        out = {
+            "snapshot": args.snapshot,
+            "mode": args.mode,
+            "alloc_conf": config.source,
+            "capture": trace.capture,
+            "recorded": {
+                "segment_allocs": [s for _, s in rec.segment_allocs],
+                "segment_free_batches": [[s for _, s in b] for b in rec.segment_free_batches],
+                "peak_reserved": rec.peak_reserved,
+                "final_reserved": rec.final_reserved,
+                "final_allocated": rec.final_allocated,
+            },
+            "simulated": {
+                **result.total.to_dict(),
+                "peak_phase": result.peak_phase,
+                "final_reserved": result.final_reserved,
+                "final_allocated": result.final_allocated,
+                "segment_allocs": [s for _, s in result.segment_allocs],
+                "segment_free_batches": [[s for _, s in b] for b in result.segment_free_batches],
+            },
+            "agreement": agree,
+        }
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    t = result.total
+    rows = [
+        ("cudaMalloc count (segment_alloc)", len(rec.segment_allocs), len(result.segment_allocs)),
+        ("segment_free batches", len(rec.segment_free_batches), len(result.segment_free_batches)),
+        ("peak reserved", format_size(rec.peak_reserved), format_size(t.peak_reserved)),
+        ("final reserved", format_size(rec.final_reserved), format_size(result.final_reserved)),
+        ("final allocated", format_size(rec.final_allocated), format_size(result.final_allocated)),
+        ("peak allocated", "-", format_size(t.peak_allocated)),
+        ("fragmentation at peak", "-", format_size(t.fragmentation_at_peak)),
+        ("max fragmentation", "-", format_size(t.max_fragmentation)),
+        ("alloc retries / OOMs", "-", f"{t.alloc_retries} / {t.ooms}"),
+    ]
+    print(f"{args.snapshot}: {len(trace.events)} events, replay {args.mode}"
+          + (f", alloc-conf {config.source!r}" if args.alloc_conf is not None else ""))
+    w = max(len(r[0]) for r in rows)
+    print(f"{'':{w}}  {'recorded':>14}  {'simulated':>14}")
+    for name, r, s in rows:
+        print(f"{name:{w}}  {str(r):>14}  {str(s):>14}")
+    sizes_rec = [s for _, s in rec.segment_allocs]
+    sizes_sim = [s for _, s in result.segment_allocs]
+    if agree["available"]:
+        print(f"segment_alloc sizes matching in order: {agree['segment_allocs_matching']}/"
+              f"{agree['segment_allocs_recorded']}; free batches equal: {agree['segment_free_batches_equal']}")
+        if sizes_rec != sizes_sim:
+            first = next((i for i, (a, b) in enumerate(zip(sizes_rec, sizes_sim)) if a != b),
+                         min(len(sizes_rec), len(sizes_sim)))
+            print(f"first divergence at cudaMalloc #{first}")
+    else:
+        print(f"agreement unavailable: {agree['reason']}")
+    if args.mode == ANCHORED and args.alloc_conf is not None:
+        print("note: --alloc-conf changes the decisions, so anchoring to recorded addresses mostly does not apply")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlhfmem", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("replay", help="replay a CUDA memory snapshot through the allocator model")
+    r.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot() pickle")
+    mode = r.add_mutually_exclusive_group()
+    mode.add_argument("--anchored", dest="mode", action="store_const", const="anchored",
+                      help="new segments take the recorded addresses (default)")
+    mode.add_argument("--free-running", dest="mode", action="store_const", const="free-running",
+                      help="synthetic addresses; cudaMalloc fails only past --device-memory-gib")
+    r.set_defaults(mode="anchored")
+    r.add_argument("--alloc-conf", default=None, metavar="STR",
+                   help="PYTORCH_CUDA_ALLOC_CONF to replay under (default: the recorded settings)")
+    r.add_argument("--device", type=int, default=None, help="device index (default: the longest trace)")
+    r.add_argument("--device-memory-gib", type=float, default=None, help="device capacity (default: unlimited)")
+    r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")
+    r.set_defaults(func=_replay)
+
+    from .rlhf.cli_run import add_run_parser  # noqa: PLC0415 (keeps `replay` free of torch imports)
+    add_run_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as exc:
+        print(f"rlhfmem: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""pytest face of pytest-rlhfmem (filled in by the plugin work)."""

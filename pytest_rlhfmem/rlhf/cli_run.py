@@ -1,0 +1,2 @@
+def add_run_parser(sub):
+    pass

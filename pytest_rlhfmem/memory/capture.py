@@ -1,0 +1,259 @@
+"""Capture one rank's device allocation trace, phases and flushes included.
+
+- CUDA: PyTorch's memory history (``torch.cuda.memory._record_memory_history``) started before the
+  first model is built, plus ``torch.cuda.memory_stats()`` read at every phase end (peak since
+  ``reset_peak_memory_stats`` at the phase start). Figures are the real allocator's.
+- CPU: ``torch.profiler.profile(profile_memory=True)`` records every CPU-allocator allocation and free
+  (pointer, size, time) from before the first model is built; markers (``record_function``) place phase
+  starts, flushes and placement annotations on the same clock. The resulting trace is replayed through
+  the allocator model: every figure derived from it is *simulated*.
+
+Placement annotations (the second trap of ``ARCHITECTURE.md``): on a CPU run a move to host is a no-op
+and host-resident state (DeepSpeed's offloaded optimizer states, ColossalChat's reference/reward models
+moved to CPU) sits in the same allocator as device tensors. The recipe says what is where:
+
+- :meth:`Recorder.host_resident`: these tensors live in host memory; their allocations (and later frees)
+  leave the device trace entirely.
+- :meth:`Recorder.moved_to_host`: these device tensors move to host now: a free at this moment.
+- :meth:`Recorder.moved_to_device`: these host tensors come back: an allocation at this moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from .trace import (
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, Event, Trace, trace_from_snapshot,
+)
+
+_MARK = "rlhfmem::mark::"
+
+
+def _storages(tensors: Iterable) -> list[tuple[int, int]]:
+    """(data pointer, bytes) of each distinct storage behind ``tensors`` (views share one)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        ptr, n = s.data_ptr(), s.nbytes()
+        if ptr and n:
+            seen[ptr] = n
+    return list(seen.items())
+
+
+@dataclass
+class PhaseRecord:
+    name: str
+    wall_s: float = 0.0
+    cuda_stats: dict | None = None  # CUDA only: memory_stats() figures of this phase
+
+
+@dataclass
+class Recorder:
+    """Records one rank. Use: ``start()`` before building models, ``phase(name)`` around each phase,
+    ``flush(point)`` where the policy empties the cache, the placement calls, then ``stop()``."""
+
+    device: str  # "cpu" | "cuda"
+    on_phase: Callable[[str], None] | None = None  # called at each phase start (progress files)
+    max_entries: int = 2_000_000
+    phases: list[PhaseRecord] = field(default_factory=list)
+    host_bytes_annotated: int = 0
+    _marks: list[tuple[str, object]] = field(default_factory=list)
+    _prof: object = None
+    _trace_start_us: int = 0
+    _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                                     max_entries=self.max_entries)
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        self._trace_start_us = time.time_ns() // 1000
+
+    def stop(self) -> Trace:
+        """Stop recording and return the device trace (phases, flushes, placement applied)."""
+        if self.device == "cuda":
+            return self._stop_cuda()
+        return self._stop_cpu()
+
+    # -- markers ----------------------------------------------------------------------------------
+    def _mark(self, kind: str, payload: object) -> None:
+        if self.device == "cuda":
+            if kind in (PHASE, FLUSH):
+                self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))
+            return
+        from torch.profiler import record_function
+
+        k = len(self._marks)
+        self._marks.append((kind, payload))
+        with record_function(f"{_MARK}{k}"):
+            pass
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[PhaseRecord]:
+        """Mark a phase; measures its wall time and, on CUDA, its memory_stats()."""
+        rec = PhaseRecord(name)
+        self.phases.append(rec)
+        if self.on_phase is not None:
+            self.on_phase(name)
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_stats()
+        self._mark(PHASE, name)
+        t0 = time.perf_counter()
+        try:
+            yield rec
+        finally:
+            if self.device == "cuda":
+                import torch
+
+                torch.cuda.synchronize()
+                rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
+            rec.wall_s = time.perf_counter() - t0
+
+    def flush(self, point: str) -> None:
+        """The flush policy's ``torch.cuda.empty_cache()``: real on CUDA, a FLUSH event on CPU."""
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        self._mark(FLUSH, point)
+
+    def host_resident(self, tensors: Iterable) -> None:
+        st = _storages(tensors)
+        self.host_bytes_annotated += sum(n for _, n in st)
+        self._mark("host_resident", st)
+
+    def moved_to_host(self, tensors: Iterable) -> None:
+        self._mark("to_host", _storages(tensors))
+
+    def moved_to_device(self, tensors: Iterable) -> None:
+        self._mark("to_device", _storages(tensors))
+
+    # -- CPU --------------------------------------------------------------------------------------
+    def _stop_cpu(self) -> Trace:
+        from torch._C._profiler import _EventType
+
+        prof = self._prof
+        prof.__exit__(None, None, None)
+        tree = prof.profiler.kineto_results.experimental_event_tree()
+        items: list[tuple[int, int, int, int, int]] = []  # (time_ns, seq, kind 0=alloc 1=mark, a, b)
+        stack = list(reversed(tree))
+        seq = 0
+        while stack:
+            node = stack.pop()
+            seq += 1
+            if node.tag == _EventType.Allocation:
+                f = node.extra_fields
+                if f.alloc_size != 0 and str(f.device) == "cpu":
+                    items.append((node.start_time_ns, seq, 0, f.ptr, f.alloc_size))
+            elif node.name.startswith(_MARK):
+                items.append((node.start_time_ns, seq, 1, int(node.name[len(_MARK):]), 0))
+            stack.extend(reversed(node.children))
+        items.sort()
+        self._prof = None
+        return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source="torch.profiler")
+
+    def cpu_events(self, items: list[tuple[int, int, int, int, int]]) -> list[Event]:
+        """Turn sorted profiler items into device events, applying the placement annotations."""
+        out: list[Event | None] = []
+        live: dict[int, int] = {}  # ptr -> index of its ALLOC in out
+        host: set[int] = set()  # ptrs whose next free is a host free
+        for t_ns, _seq, kind, a, b in items:
+            t_us = t_ns // 1000
+            if kind == 0:
+                ptr, size = a, b
+                if size > 0:
+                    live[ptr] = len(out)
+                    out.append(Event(ALLOC, ptr, size, 0, t_us))
+                elif ptr in host:
+                    host.discard(ptr)
+                else:
+                    live.pop(ptr, None)
+                    out.append(Event(FREE, ptr, -size, 0, t_us))
+                continue
+            mkind, payload = self._marks[a]
+            if mkind in (PHASE, FLUSH):
+                out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
+            elif mkind == "host_resident":
+                for ptr, _n in payload:  # type: ignore[union-attr]
+                    i = live.pop(ptr, None)
+                    if i is not None:
+                        out[i] = None
+                    host.add(ptr)
+            elif mkind == "to_host":
+                for ptr, _n in payload:  # type: ignore[union-attr]
+                    i = live.pop(ptr, None)
+                    if i is not None:
+                        out.append(Event(FREE, ptr, out[i].size, 0, t_us))  # type: ignore[union-attr]
+                        host.add(ptr)
+            elif mkind == "to_device":
+                for ptr, n in payload:  # type: ignore[union-attr]
+                    if ptr in host:
+                        host.discard(ptr)
+                        live[ptr] = len(out)
+                        out.append(Event(ALLOC, ptr, n, 0, t_us))
+        return [e for e in out if e is not None]
+
+    # -- CUDA -------------------------------------------------------------------------------------
+    def _stop_cuda(self) -> Trace:
+        import torch
+
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        return cuda_trace_with_marks(snap, self._phase_marks_us, device=torch.cuda.current_device())
+
+
+def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device: int = 0) -> Trace:
+    """A recorded CUDA snapshot's trace with phase/flush marks merged in by ``time_us``.
+
+    The memory history timestamps and ``marks`` are both wall-clock microseconds. Pure data handling:
+    tested on recorded snapshots, no GPU needed.
+    """
+    trace = trace_from_snapshot(snap, device=device, source="torch.cuda.memory._snapshot")
+    merged: list[Event] = []
+    ms = sorted(marks, key=lambda m: m[1])
+    j = 0
+    for e in trace.events:
+        while j < len(ms) and ms[j][1] <= e.time_us:
+            merged.append(Event(ms[j][0], 0, 0, 0, ms[j][1], ms[j][2]))
+            j += 1
+        merged.append(e)
+    merged.extend(Event(k, 0, 0, 0, t, n) for k, t, n in ms[j:])
+    trace.events = merged
+    trace.capture = CAPTURE_CUDA
+    return trace
+
+
+def cuda_phase_stats(before: dict, after: dict) -> dict:
+    """One phase's real figures from two ``torch.cuda.memory_stats()`` dicts (bytes and counts).
+
+    Peaks are valid because the phase began with ``reset_peak_memory_stats()``.
+    """
+    def d(key: str) -> int:
+        return int(after.get(key, 0)) - int(before.get(key, 0))
+
+    return {
+        "peak_reserved": int(after.get("reserved_bytes.all.peak", 0)),
+        "peak_allocated": int(after.get("allocated_bytes.all.peak", 0)),
+        "inactive_split_bytes": int(after.get("inactive_split_bytes.all.current", 0)),
+        "cuda_malloc_count": d("num_device_alloc") if "num_device_alloc" in after else d("segment.all.allocated"),
+        "cuda_free_count": d("num_device_free") if "num_device_free" in after else d("segment.all.freed"),
+        "alloc_retries": d("num_alloc_retries"),
+        "ooms": d("num_ooms"),
+    }

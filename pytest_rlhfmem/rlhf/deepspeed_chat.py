@@ -1,0 +1,375 @@
+"""The DeepSpeed-Chat step-3 recipe: one PPO iteration on real DeepSpeed, phase by phase.
+
+Follows microsoft/DeepSpeedExamples ``applications/DeepSpeed-Chat``: ``dschat/rlhf/rlhf_engine.py``
+(engines and their ZeRO stages), ``dschat/utils/ds_utils.py`` (train/eval configs),
+``dschat/utils/model/reward_model.py`` (critic = base model + v_head), ``dschat/utils/module/lora.py``
+(LoRA on every Linear under ``decoder.layers.``; here through peft) and ``dschat/rlhf/ppo_trainer.py``
+(``generate_experience`` and ``train_rlhf``). Facts: ``shared/reference/rlhf-frameworks.md``.
+
+Reads top to bottom: build the four engines (phase ``init``), then ``generate``, the four inference
+forwards, and the actor and critic updates. The recorder marks each phase; the flush policy empties
+the cache where it says.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..memory.capture import Recorder
+from . import ppo
+from .models import ModelPair, ModelSpec, build_base_model, build_causal_lm, get_pair
+from .scenario import Scenario
+
+# strategy -> (actor/critic ZeRO stage, CPU offload, gradient checkpointing)
+STRATEGY_SETTINGS: dict[str, tuple[int, bool, bool]] = {
+    "none": (0, False, False),
+    "zero1": (1, False, False),
+    "zero2": (2, False, False),
+    "zero3": (3, False, False),
+    "zero3-offload": (3, True, False),
+    "grad-ckpt": (0, False, True),
+    "all": (3, True, True),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSpeed configs (dschat/utils/ds_utils.py)
+# ---------------------------------------------------------------------------------------------------
+
+def get_train_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_batch: int, world_size: int,
+                        bucket_elements: int | None) -> dict:
+    """``get_train_ds_config``: ZeRO stage, offload of params and optimizer, fp16/bf16, clipping 1.0."""
+    device = "cpu" if offload else "none"
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": True,
+        "offload_param": {"device": device},
+        "offload_optimizer": {"device": device},
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 3e7,
+        "stage3_prefetch_bucket_size": 3e7,
+        "memory_efficient_linear": False,
+    }
+    if bucket_elements is not None:  # tiny pairs only: see models.py
+        zero.update(reduce_bucket_size=bucket_elements, allgather_bucket_size=bucket_elements,
+                    stage3_prefetch_bucket_size=bucket_elements, stage3_max_live_parameters=bucket_elements,
+                    stage3_max_reuse_distance=bucket_elements)
+    cfg: dict[str, Any] = {
+        "train_batch_size": micro_batch * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    cfg.update(_precision(dtype))
+    return cfg
+
+
+def get_eval_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_batch: int, world_size: int,
+                       bucket_elements: int | None) -> dict:
+    """``get_eval_ds_config``: inference engines; offload_param only acts at stage 3."""
+    zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 1e4,
+                            "offload_param": {"device": "cpu" if offload else "none"},
+                            "memory_efficient_linear": False}
+    if bucket_elements is not None:
+        zero.update(stage3_prefetch_bucket_size=bucket_elements, stage3_max_live_parameters=bucket_elements,
+                    stage3_max_reuse_distance=bucket_elements)
+    cfg: dict[str, Any] = {"train_batch_size": micro_batch * world_size,
+                           "train_micro_batch_size_per_gpu": micro_batch, "steps_per_print": 10**9,
+                           "zero_optimization": zero, "wall_clock_breakdown": False}
+    cfg.update(_precision(dtype))
+    return cfg
+
+
+def _precision(dtype: torch.dtype) -> dict:
+    if dtype == torch.float16:
+        return {"fp16": {"enabled": True, "loss_scale_window": 100}}
+    if dtype == torch.bfloat16:
+        return {"bf16": {"enabled": True}}
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models (dschat/utils/model/model_utils.py, reward_model.py, module/lora.py)
+# ---------------------------------------------------------------------------------------------------
+
+class RewardModel(torch.nn.Module):
+    """DeepSpeed-Chat's critic/reward: a base transformer plus ``v_head = Linear(hidden, 1, bias=False)``."""
+
+    def __init__(self, base: torch.nn.Module, hidden: int) -> None:
+        super().__init__()
+        self.config = base.config
+        self.rwtransformer = base
+        self.v_head = torch.nn.Linear(hidden, 1, bias=False)
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.rwtransformer.gradient_checkpointing_enable()
+
+    def forward_value(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      return_value_only: bool = False, prompt_length: int = 0) -> Any:
+        """values ``[B, T]``; or the score at each sequence's last token ``[B]`` (fixed-length answers
+        have no padding after the prompt, so DeepSpeed-Chat's ``chosen_end_scores`` is the last value)."""
+        hidden = self.rwtransformer(input_ids, attention_mask=attention_mask, use_cache=False)[0]
+        values = self.v_head(hidden).squeeze(-1)
+        if return_value_only:
+            return values
+        return {"values": values, "chosen_end_scores": values[:, -1]}
+
+
+def create_hf_model(spec: ModelSpec, ds_config: dict | None, path: str | None, dtype: torch.dtype):
+    """``create_hf_model``: under ZeRO-3 the model is partitioned as it is built (HfDeepSpeedConfig)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    dschf = HfDeepSpeedConfig(ds_config) if ds_config and ds_config["zero_optimization"]["stage"] == 3 else None
+    model = build_causal_lm(spec, path).to(dtype)
+    del dschf
+    return model
+
+
+def create_critic_model(spec: ModelSpec, ds_config: dict | None, path: str | None, dtype: torch.dtype):
+    """``create_critic_model``: base model (no LM head) wrapped as a :class:`RewardModel`."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    dschf = HfDeepSpeedConfig(ds_config) if ds_config and ds_config["zero_optimization"]["stage"] == 3 else None
+    base = build_base_model(spec, path)
+    del dschf
+    return RewardModel(base, spec.hidden_size()).to(dtype)
+
+
+def convert_to_lora(model: torch.nn.Module, pair: ModelPair, dim: int, only_optimize_lora: bool):
+    """LoRA of rank ``dim`` (scaling 1/dim, as DeepSpeed-Chat's ``lora_scaling=1``) on the decoder layers'
+    linear maps, through peft. Base weights of adapted layers are frozen; biases, embeddings and norms
+    stay trainable unless ``only_optimize_lora``."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=dim, lora_alpha=1, lora_dropout=0.0, target_modules=list(pair.lora_targets),
+                     fan_in_fan_out=pair.actor.family == "gpt2", bias="none")
+    model = get_peft_model(model, cfg)
+    if not only_optimize_lora:
+        for name, p in model.named_parameters():
+            if "lora_" not in name and not name.endswith("base_layer.weight"):
+                p.requires_grad_(True)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, offload: bool, device: str):
+    """DeepSpeedCPUAdam under offload, FusedAdam on CUDA, torch AdamW on CPU; betas (0.9, 0.95)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=1e-5, betas=(0.9, 0.95))
+    if device == "cuda":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(params, lr=1e-5, betas=(0.9, 0.95))
+    return torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), foreach=False)
+
+
+def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
+    """Tensors DeepSpeed keeps in host memory under ZeRO-3 CPU offload (``stage3.py``,
+    ``partition_parameters.py``): fp32 master partitions and their grads, the optimizer states, the
+    flat gradient buffer, and the parameters' partitions (``ds_tensor``)."""
+    if not offload:
+        return []
+    out: list[torch.Tensor] = []
+    opt = getattr(engine, "optimizer", None)
+    for name in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "param_groups_fp16_flat_cpu_memory"):
+        for t in getattr(opt, name, None) or []:
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+                if t.grad is not None:
+                    out.append(t.grad)
+    buf = getattr(opt, "grad_partitions_flat_buffer", None)
+    if isinstance(buf, torch.Tensor):
+        out.append(buf)
+    inner = getattr(opt, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    module = engine.module if hasattr(engine, "module") else engine
+    for p in module.parameters():
+        ds_tensor = getattr(p, "ds_tensor", None)
+        if isinstance(ds_tensor, torch.Tensor):
+            out.append(ds_tensor)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# One iteration
+# ---------------------------------------------------------------------------------------------------
+
+def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
+    """Build the four engines and run one PPO iteration under ``rec``; returns losses and settings."""
+    import deepspeed
+
+    pair = get_pair(scenario.models)
+    stage, offload, grad_ckpt = STRATEGY_SETTINGS[scenario.strategy]
+    dtype = _dtype(scenario, device)
+    batch = scenario.get("batch_size", 2)
+    prompt_len = scenario.get("prompt_len", pair.prompt_len)
+    answer_len = scenario.get("answer_len", pair.answer_len)
+    lora_dim = scenario.get("lora_dim", pair.lora_dim)
+    only_lora = scenario.get("only_optimize_lora", False)
+    buckets = pair.bucket_elements
+    ref_stage = 3 if stage == 3 else 0  # rlhf_engine.py: reference follows the actor's stage 3
+    reward_stage = 3 if stage == 3 else 0  # reward follows the critic's stage 3
+    train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets)
+    eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets)
+    torch.manual_seed(scenario.get("seed", 1234) + rank)
+    hooks = _FaultHooks(scenario, rank)
+
+    with rec.phase("init"):
+        # actor (rlhf_engine.py: _init_actor)
+        actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype)
+        if lora_dim > 0:
+            actor = convert_to_lora(actor, pair, lora_dim, only_lora)
+        actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
+                                                config=train_cfg)
+        rec.host_resident(offloaded_tensors(actor_engine, offload))
+        # reference (_init_ref): eval config, stage 3 only if the actor is
+        ref = create_hf_model(pair.actor, eval_cfg, scenario.get("actor_path"), dtype)
+        ref_engine, *_ = deepspeed.initialize(model=ref, config=eval_cfg)
+        rec.host_resident(offloaded_tensors(ref_engine, offload and ref_stage == 3))
+        # critic (_init_critic): gradient checkpointing from the start
+        critic = create_critic_model(pair.critic, train_cfg, scenario.get("critic_path"), dtype)
+        if grad_ckpt:
+            critic.gradient_checkpointing_enable()
+        critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=make_optimizer(critic, offload, device),
+                                                 config=train_cfg)
+        rec.host_resident(offloaded_tensors(critic_engine, offload))
+        # reward (_init_reward)
+        reward_cfg = get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets)
+        reward = create_critic_model(pair.critic, reward_cfg, scenario.get("critic_path"), dtype)
+        reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
+        rec.host_resident(offloaded_tensors(reward_engine, offload and reward_stage == 3))
+        hooks.at("init")
+
+    vocab = pair.actor.config["vocab_size"]
+    prompts = torch.randint(3, vocab, (batch, prompt_len), device=device)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[0, : prompt_len // 4] = 0  # left padding, as DeepSpeed-Chat pads prompts
+    pad_id = pair.actor.config.get("pad_token_id", 0) or 0
+    prompts[0, : prompt_len // 4] = pad_id
+
+    # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
+    actor_engine.eval()
+    with rec.phase("generate"):
+        with torch.no_grad():
+            seq = actor_engine.module.generate(
+                prompts, attention_mask=prompt_mask, max_new_tokens=answer_len, min_new_tokens=answer_len,
+                do_sample=True, pad_token_id=pad_id, synced_gpus=stage == 3, use_cache=True)
+        hooks.at("generate")
+    _maybe_flush(scenario, rec, "generate")
+    attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
+                                                        device=device)], dim=1)
+    with torch.no_grad():
+        with rec.phase("infer_actor"):
+            output = actor_engine(seq, attention_mask=attention_mask)
+            hooks.at("infer_actor")
+        _maybe_flush(scenario, rec, "infer_actor")
+        with rec.phase("infer_reference"):
+            output_ref = ref_engine(seq, attention_mask=attention_mask)
+            hooks.at("infer_reference")
+        _maybe_flush(scenario, rec, "infer_reference")
+        with rec.phase("infer_reward"):
+            reward_score = reward_engine.module.forward_value(seq, attention_mask,
+                                                              prompt_length=prompt_len)["chosen_end_scores"]
+            hooks.at("infer_reward")
+        _maybe_flush(scenario, rec, "infer_reward")
+        with rec.phase("infer_critic"):
+            values = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+            log_probs = ppo.gather_log_probs(output.logits[:, :-1, :], seq[:, 1:])
+            ref_log_probs = ppo.gather_log_probs(output_ref.logits[:, :-1, :], seq[:, 1:])
+            del output, output_ref
+            hooks.at("infer_critic")
+        _maybe_flush(scenario, rec, "infer_critic")
+
+    # ---- train_rlhf (ppo_trainer.py) ----------------------------------------------------------
+    actor_engine.train()
+    critic_engine.train()
+    if grad_ckpt:
+        actor_engine.module.gradient_checkpointing_enable()  # only for the update, as DeepSpeed-Chat
+    start = prompt_len - 1
+    action_mask = attention_mask[:, 1:]
+    with rec.phase("train_actor"):
+        with torch.no_grad():
+            old_rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
+            advantages, returns = ppo.get_advantages_and_returns(values, old_rewards, start)
+        actor_logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits
+        actor_log_prob = ppo.gather_log_probs(actor_logits[:, :-1, :], seq[:, 1:])
+        actor_loss = ppo.actor_loss_fn(actor_log_prob[:, start:], log_probs[:, start:], advantages,
+                                       action_mask[:, start:])
+        actor_engine.backward(actor_loss)
+        actor_engine.step()
+        del actor_logits, actor_log_prob
+        rec.host_resident(offloaded_tensors(actor_engine, offload))  # optimizer states appear at step 1
+        hooks.at("train_actor")
+    _maybe_flush(scenario, rec, "train_actor")
+    with rec.phase("train_critic"):
+        value = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+        critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
+        critic_engine.backward(critic_loss)
+        critic_engine.step()
+        del value
+        rec.host_resident(offloaded_tensors(critic_engine, offload))
+        hooks.at("train_critic")
+    _maybe_flush(scenario, rec, "train_critic")
+    if grad_ckpt:
+        actor_engine.module.gradient_checkpointing_disable()
+    return {
+        "actor_loss": float(actor_loss.detach().float()),
+        "critic_loss": float(critic_loss.detach().float()),
+        "dtype": str(dtype).replace("torch.", ""),
+        "zero_stage": stage, "reference_stage": ref_stage, "reward_stage": reward_stage,
+        "offload": offload, "gradient_checkpointing": grad_ckpt, "lora_dim": lora_dim,
+        "batch_size": batch, "prompt_len": prompt_len, "answer_len": answer_len,
+        "bucket_elements": buckets, "sequence_shape": list(seq.shape),
+    }
+
+
+def _dtype(scenario: Scenario, device: str) -> torch.dtype:
+    name = scenario.get("dtype") or ("fp16" if device == "cuda" else "fp32")
+    table = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    if name not in table:
+        raise ValueError(f"dtype {name!r}: valid: {', '.join(table)}")
+    return table[name]
+
+
+def _maybe_flush(scenario: Scenario, rec: Recorder, phase: str) -> None:
+    if scenario.flush_after(phase):
+        rec.flush(f"after-{phase}")
+
+
+class _FaultHooks:
+    """Test hooks for the launcher's failure handling: ``inject_crash`` / ``inject_hang`` name a phase
+    (optionally ``phase:rank``) at whose end this rank raises or sleeps forever."""
+
+    def __init__(self, scenario: Scenario, rank: int) -> None:
+        self.crash = self._parse(scenario.get("inject_crash"), rank)
+        self.hang = self._parse(scenario.get("inject_hang"), rank)
+
+    @staticmethod
+    def _parse(spec: str | None, rank: int) -> str | None:
+        if not spec:
+            return None
+        phase, _, r = spec.partition(":")
+        return phase if (not r or int(r) == rank) else None
+
+    def at(self, phase: str) -> None:
+        if self.crash == phase:
+            raise RuntimeError(f"injected crash in phase {phase} (inject_crash)")
+        if self.hang == phase:
+            import time
+
+            while True:
+                time.sleep(3600)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

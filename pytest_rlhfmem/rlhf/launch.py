@@ -1,0 +1,182 @@
+"""Run one scenario in fresh worker processes with torch's elastic launcher; gather the ranks.
+
+``torchrun --standalone`` (a free rendezvous port on localhost) starts N ranks of ``worker.py`` (gloo on
+CPU, nccl on CUDA). The whole run has a timeout; on expiry torchrun gets SIGTERM (it kills its workers'
+process groups), then every process group still alive gets SIGKILL, so nothing is left behind. A rank
+that raised, ran out of memory, or hung becomes a structured failure: rank, phase, error, memory so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..memory.metrics import METRIC_NAMES
+from .scenario import DEVICES, Scenario, ScenarioError
+
+DEFAULT_TIMEOUT_S = 900.0
+
+
+def resolve_device(device: str, world_size: int) -> str:
+    """``auto`` -> ``cuda`` when at least ``world_size`` CUDA devices are visible, else ``cpu``."""
+    if device not in DEVICES:
+        raise ScenarioError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+
+
+def prebuild_ops(device: str, offload: bool) -> None:
+    """Build DeepSpeed's JIT ops once, under a file lock, before ranks start (two ranks building the same
+    op at once race). Cached in torch's extension directory; a warm call takes about a second."""
+    from filelock import FileLock
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
+    cache.mkdir(parents=True, exist_ok=True)
+    builders = (["ShareMemCommBuilder"] if device == "cpu" else []) + (["CPUAdamBuilder"] if offload else [])
+    if not builders:
+        return
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            f"for b in {builders!r}:\n"
+            "    ob = get_accelerator().create_op_builder(b)\n"
+            "    ob = None if type(ob).__name__ == \"NotImplementedBuilder\" else ob\n"
+            "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
+    with FileLock(str(cache / "ds-ops.lock")):
+        subprocess.run([sys.executable, "-c", code], env=_worker_env(device, 1), check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
+
+
+def _worker_env(device: str, threads: int) -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None) -> dict:
+    """Run ``scenario`` once; returns the scenario result (see :func:`aggregate`). Never raises for a
+    failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why."""
+    from .deepspeed_chat import STRATEGY_SETTINGS
+
+    device = resolve_device(device, scenario.world_size)
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-"))
+    work.mkdir(parents=True, exist_ok=True)
+    offload = STRATEGY_SETTINGS.get(scenario.strategy, (0, False, False))[1]
+    t0 = time.perf_counter()
+    if scenario.framework == "deepspeed-chat":
+        prebuild_ops(device, offload)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={scenario.world_size}", "--max-restarts=0", "--monitor-interval=0.5",
+           "-m", "pytest_rlhfmem.rlhf.worker", "--scenario", json.dumps(scenario.to_dict()),
+           "--out-dir", str(work), "--device", device]
+    if snapshot_dir:
+        cmd += ["--snapshot-dir", str(snapshot_dir)]
+    log_path = work / "launcher.log"
+    timed_out = False
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=_worker_env(device, scenario.get("threads", 1)))
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _terminate(proc, work)
+    _kill_leftover_workers(work)
+    return aggregate(scenario, device, work, proc.returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+
+
+def _terminate(proc: subprocess.Popen, work: Path) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to its workers' process groups
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _kill_leftover_workers(work: Path) -> None:
+    """Every worker runs in its own session (torchrun's choice): kill any group still alive."""
+    for p in work.glob("progress-rank*.json"):
+        try:
+            pid = json.loads(p.read_text())["pid"]
+            os.killpg(pid, signal.SIGKILL)
+        except (ValueError, KeyError, OSError):
+            pass
+
+
+def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | None, timed_out: bool,
+              timeout: float, wall_s: float, log_path: Path) -> dict:
+    """The scenario result: per metric the maximum over ranks (the budget is per GPU), per phase too,
+    plus every rank's own result. ``status`` is ``ok`` only if every rank finished."""
+    ranks, failures = [], []
+    for r in range(scenario.world_size):
+        res_p, prog_p = work / f"result-rank{r}.json", work / f"progress-rank{r}.json"
+        if res_p.exists():
+            res = json.loads(res_p.read_text())
+            ranks.append(res)
+            if res["error"]:
+                failures.append({"rank": r, "phase": res["error"]["phase"], "error": res["error"]["type"],
+                                 "message": res["error"]["message"],
+                                 "memory_so_far": {k: res["total"][k] for k in ("peak_reserved", "peak_allocated")},
+                                 "simulated": res["simulated"]})
+        else:
+            prog = json.loads(prog_p.read_text()) if prog_p.exists() else {}
+            why = (f"hung: no result after the {timeout:g} s timeout; the process group was killed" if timed_out
+                   else f"exited without a result (launcher exit code {returncode})")
+            failures.append({"rank": r, "phase": prog.get("phase", "startup"), "error": "Hang" if timed_out else "Crash",
+                             "message": why, "memory_so_far": {"host_rss": prog.get("host_rss")}})
+    ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
+    first = ranks[0] if ranks else {}
+    metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in METRIC_NAMES} if ranks else {}
+    phase_names = [p["phase"] for p in first.get("phases", [])]
+    phases = {}
+    for name in phase_names:
+        per = [p for r in ranks for p in r["phases"] if p["phase"] == name]
+        phases[name] = {m: max((p.get(m) or 0) for p in per) for m in METRIC_NAMES + ("wall_s",)}
+    peak_rank = max(ranks, key=lambda r: r["total"]["peak_reserved"]) if ranks else {}
+    log_tail = ""
+    if not ok and log_path.exists():
+        log_tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+    return {
+        "schema": 1,
+        "scenario": scenario.to_dict(),
+        "scenario_id": scenario.id,
+        "status": "ok" if ok else "failed",
+        "failure": failures[0] if failures else ({"rank": None, "phase": None, "error": "LaunchError",
+                                                   "message": f"launcher exit code {returncode}"} if not ok else None),
+        "failures": failures,
+        "device": device,
+        "capture": first.get("capture"),
+        "simulated": first.get("simulated", device == "cpu"),
+        "world_size": scenario.world_size,
+        "versions": first.get("versions", {}),
+        "threads": first.get("threads"),
+        "metrics": metrics,
+        "phases": phases,
+        "peak_phase": peak_rank.get("peak_phase"),
+        "wall_s": round(wall_s, 3),
+        "iteration_wall_s": max((r["wall_s"] for r in ranks), default=None),
+        "ranks": ranks,
+        "work_dir": str(work),
+        "log_tail": log_tail,
+    }

@@ -1,0 +1,89 @@
+"""A scenario = framework x model pair x memory strategy x flush policy x world size (+ overrides).
+
+Its ``id`` is stable across runs and machines and keys every baseline entry, e.g.
+``deepspeed-chat/tiny-opt/zero3/flush-after-inference/x2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FRAMEWORKS = ("deepspeed-chat", "colossalchat")
+STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all")
+COLOSSAL_STRATEGIES = ("none", "zero2", "zero2-offload", "zero3", "zero3-offload", "grad-ckpt", "all")
+FRAMEWORK_STRATEGIES = {"deepspeed-chat": STRATEGIES, "colossalchat": COLOSSAL_STRATEGIES}
+FLUSH_POLICIES = ("none", "after-inference", "after-training", "after-both")
+DEVICES = ("auto", "cpu", "cuda")
+INFERENCE_PHASES = ("generate", "infer_actor", "infer_reference", "infer_reward", "infer_critic")
+TRAINING_PHASES = ("train_actor", "train_critic")
+PHASES = ("init",) + INFERENCE_PHASES + TRAINING_PHASES
+
+# Overrides a scenario may carry, with their types; anything else is refused by name.
+OVERRIDES: dict[str, type] = {
+    "batch_size": int, "prompt_len": int, "answer_len": int, "lora_dim": int, "only_optimize_lora": bool,
+    "actor_path": str, "critic_path": str, "seed": int, "threads": int, "dtype": str,
+    "inject_crash": str, "inject_hang": str,  # test hooks: "<phase>" or "<phase>:<rank>"
+}
+
+
+class ScenarioError(ValueError):
+    """A scenario with an unknown name or override; the message lists the valid values."""
+
+
+def _check(kind: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ScenarioError(f"unknown {kind} {value!r}; valid: {', '.join(allowed)}")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    framework: str
+    models: str
+    strategy: str
+    flush: str = "none"
+    world_size: int = 2
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from .models import MODEL_PAIRS
+
+        _check("framework", self.framework, FRAMEWORKS)
+        _check("model pair", self.models, tuple(MODEL_PAIRS))
+        _check(f"strategy for {self.framework}", self.strategy, FRAMEWORK_STRATEGIES[self.framework])
+        _check("flush policy", self.flush, FLUSH_POLICIES)
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ScenarioError(f"world_size must be a positive integer, got {self.world_size!r}")
+        for k, v in self.overrides.items():
+            if k not in OVERRIDES:
+                raise ScenarioError(f"unknown scenario override {k!r}; valid: {', '.join(OVERRIDES)}")
+            if not isinstance(v, OVERRIDES[k]) or (OVERRIDES[k] is int and isinstance(v, bool)):
+                raise ScenarioError(f"override {k}={v!r} must be of type {OVERRIDES[k].__name__}")
+
+    @property
+    def id(self) -> str:
+        base = f"{self.framework}/{self.models}/{self.strategy}/flush-{self.flush}/x{self.world_size}"
+        shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
+                 if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype")]
+        return base + ("/" + ",".join(shape) if shape else "")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.overrides.get(key, default)
+
+    def flush_after(self, phase: str) -> bool:
+        """Does the flush policy call empty_cache at the end of ``phase``?"""
+        if phase in INFERENCE_PHASES:
+            return self.flush in ("after-inference", "after-both")
+        if phase in TRAINING_PHASES:
+            return self.flush in ("after-training", "after-both")
+        return False
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["id"] = self.id
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Scenario":
+        return cls(d["framework"], d["models"], d["strategy"], d.get("flush", "none"), int(d.get("world_size", 2)),
+                   dict(d.get("overrides") or {}))

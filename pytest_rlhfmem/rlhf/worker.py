@@ -1,0 +1,181 @@
+"""One rank: build the recipe, run its phases under capture, write the rank's result JSON.
+
+Started by ``launch.py`` through torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` come from it)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m pytest_rlhfmem.rlhf.worker \
+        --scenario '{...}' --out-dir DIR --device cpu
+
+Files it writes in ``--out-dir``: ``progress-rank<R>.json`` at each phase start (pid, phase, host RSS:
+what a hung rank leaves behind) and ``result-rank<R>.json`` at the end (also on a failure, with the
+phase, the error and the memory figures up to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+RESULT_SCHEMA = 1
+
+
+def versions() -> dict:
+    """Versions of the packages that decide the allocation sequence."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "deepspeed", "transformers", "peft", "colossalai", "pytest-rlhfmem"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, recipe_info: dict | None,
+                error: dict | None, threads: int, wall_s: float) -> dict:
+    """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
+    memory_stats) and assemble this rank's result."""
+    from ..memory.replay import ANCHORED, FREE_RUNNING, replay
+    from ..memory.trace import CAPTURE_CUDA
+
+    is_cuda = trace.capture == CAPTURE_CUDA
+    result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
+    wall = {p.name: round(p.wall_s, 6) for p in rec.phases}
+    phases = []
+    for w in result.phases:
+        d = w.to_dict()
+        d["wall_s"] = wall.get(w.phase, 0.0)
+        cuda = next((p.cuda_stats for p in rec.phases if p.name == w.phase and p.cuda_stats), None)
+        if cuda:  # the real allocator's own figures win over anything derived
+            d.update({k: v for k, v in cuda.items() if k != "inactive_split_bytes"})
+        phases.append(d)
+    total = result.total.to_dict()
+    if is_cuda and phases:
+        for k in ("peak_reserved", "peak_allocated"):
+            total[k] = max(total[k], *(p[k] for p in phases))
+    coll = result.collector
+    series = coll.series.downsample() if coll.series is not None else None
+    if series is not None:
+        series["phase_starts"] = coll.phase_starts()
+    return {
+        "schema": RESULT_SCHEMA,
+        "scenario": scenario.to_dict(),
+        "scenario_id": scenario.id,
+        "rank": rank,
+        "world_size": world_size,
+        "device": device,
+        "capture": trace.capture,
+        "simulated": not is_cuda,
+        "status": "failed" if error else "ok",
+        "error": error,
+        "versions": versions(),
+        "threads": threads,
+        "wall_s": round(wall_s, 6),
+        "total": total,
+        "phases": phases,
+        "peak_phase": result.peak_phase,
+        "final_requested": result.final_requested,
+        "flush_points": len(result.flush_points),
+        "events": sum(1 for e in trace.events if e.action in ("alloc", "free")),
+        "host_bytes_annotated": rec.host_bytes_annotated,
+        "recipe": recipe_info or {},
+        "series": series,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pytest_rlhfmem.rlhf.worker")
+    ap.add_argument("--scenario", required=True, help="scenario JSON")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    ap.add_argument("--snapshot-dir", default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from ..memory.capture import Recorder
+    from ..memory.trace import write_snapshot
+    from .scenario import Scenario
+
+    scenario = Scenario.from_dict(json.loads(args.scenario))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    out = Path(args.out_dir)
+    threads = scenario.get("threads", 1)
+    torch.set_num_threads(threads)  # the allocation sequence depends on it: pinned and recorded
+    progress = out / f"progress-rank{rank}.json"
+
+    def on_phase(name: str) -> None:
+        _write_json(progress, {"rank": rank, "pid": os.getpid(), "phase": name, "host_rss": _rss_bytes(),
+                               "time": time.time()})
+
+    on_phase("startup")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
+    rec = Recorder(args.device, on_phase=on_phase)
+    if scenario.framework == "deepspeed-chat":
+        from .deepspeed_chat import run_iteration
+    else:
+        from .colossalchat import run_iteration  # type: ignore[no-redef]
+    error = None
+    info = None
+    t0 = time.perf_counter()
+    rec.start()
+    try:
+        info = run_iteration(scenario, rec, args.device, rank, world_size)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
+        is_oom = "OutOfMemoryError" in type(exc).__name__ or "out of memory" in str(exc).lower()
+        error = {"phase": rec.phases[-1].name if rec.phases else "startup",
+                 "type": "OOM" if is_oom else type(exc).__name__, "message": str(exc)[:2000],
+                 "traceback": traceback.format_exc()[-4000:]}
+    wall = time.perf_counter() - t0
+    trace = rec.stop()
+    result = rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall)
+    if args.snapshot_dir:
+        from ..memory.replay import FREE_RUNNING, replay
+
+        snap_dir = Path(args.snapshot_dir)
+        name = scenario.id.replace("/", "__") + f"__rank{rank}.pickle"
+        segments = replay(trace, mode=FREE_RUNNING, record_series=False).segments
+        note = "simulated: CPU allocation trace replayed through the CUDA caching allocator model"
+        result["snapshot"] = str(write_snapshot(snap_dir / name, trace, segments, note=note))
+    _write_json(out / f"result-rank{rank}.json", result)
+    code = 1 if error else 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not error and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001
+            pass
+    # Skip interpreter teardown: DeepSpeed's shm comm and gloo threads can abort at exit (SIGABRT)
+    # after the work is done and written.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

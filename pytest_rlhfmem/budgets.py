@@ -1,0 +1,329 @@
+"""Memory budgets in YAML: ``baselines/<profile>/<suite>.yaml``, one entry per scenario id.
+
+A file::
+
+    schema: 1
+    profile: cpu
+    defaults:                      # optional; built-in defaults below apply otherwise
+      tolerances:
+        peak_reserved: {rel: 0.01, abs: 2 MiB}
+    entries:
+      deepspeed-chat/tiny-opt/zero3/flush-none/x2:
+        capture: cpu-trace-simulated     # how the figures were obtained: simulated or real
+        device: cpu
+        peak_phase: train_actor
+        versions: {torch: 2.13.0, deepspeed: 0.19.8}
+        metrics:
+          peak_reserved: 100 MiB         # sizes always carry a unit (B, KiB, MiB, GiB, TiB)
+          peak_allocated: 81.03 MiB
+          fragmentation_at_peak: 22.94 MiB
+          cuda_malloc_count: 32          # counts are plain integers
+          alloc_retries: 0
+        tolerances:                      # optional per-entry overrides
+          peak_reserved: {rel: 0.02}
+
+A measured value passes when ``measured <= budget + max(abs, rel * budget)``. Loading is strict: an
+unknown key, a size without a unit or a negative tolerance raises :class:`BudgetError` naming the file,
+the entry and the key. Updates merge into the file (entries a run did not touch are kept), are atomic
+(temporary file + rename) and serialised by a file lock, so concurrent writers cannot lose entries.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .units import format_size, parse_size
+
+SCHEMA = 1
+SIZE_BUDGETS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak")
+COUNT_BUDGETS = ("cuda_malloc_count", "alloc_retries")
+BUDGET_METRICS = SIZE_BUDGETS + COUNT_BUDGETS
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rel: float = 0.0
+    abs: int = 0  # bytes for sizes, a count for counts
+
+    def allowed(self, budget: int) -> int:
+        return budget + max(self.abs, int(self.rel * budget))
+
+
+# Stage-3 runs vary by about 0.5% of the peak between runs (other threads allocate): 1% + 2 MiB covers it.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "peak_reserved": Tolerance(0.01, 2 * 2**20),
+    "peak_allocated": Tolerance(0.01, 2 * 2**20),
+    "fragmentation_at_peak": Tolerance(0.05, 4 * 2**20),
+    "cuda_malloc_count": Tolerance(0.05, 2),
+    "alloc_retries": Tolerance(0.0, 0),
+}
+
+_TOP_KEYS = ("schema", "profile", "defaults", "entries")
+_DEFAULTS_KEYS = ("tolerances",)
+_ENTRY_KEYS = ("capture", "device", "world_size", "peak_phase", "versions", "metrics", "tolerances")
+_TOL_KEYS = ("rel", "abs")
+
+
+class BudgetError(ValueError):
+    """A malformed budget file; the message names the file, the entry and the key."""
+
+
+@dataclass
+class BudgetEntry:
+    id: str
+    metrics: dict[str, int]
+    tolerances: dict[str, Tolerance]
+    capture: str | None = None
+    device: str | None = None
+    peak_phase: str | None = None
+    raw: dict = field(default_factory=dict)
+
+
+@dataclass
+class BudgetFile:
+    path: Path
+    profile: str | None
+    defaults: dict[str, Tolerance]
+    entries: dict[str, BudgetEntry]
+    raw: dict
+
+
+def _err(path: Path, where: str, msg: str) -> BudgetError:
+    return BudgetError(f"{path}: {where}: {msg}")
+
+
+def _unknown(path: Path, where: str, d: dict, allowed: tuple[str, ...]) -> None:
+    for k in d:
+        if k not in allowed:
+            raise _err(path, where, f"unknown key {k!r}; allowed: {', '.join(allowed)}")
+
+
+def _parse_tolerance(path: Path, where: str, metric: str, d: Any, base: Tolerance) -> Tolerance:
+    if metric not in BUDGET_METRICS:
+        raise _err(path, where, f"unknown metric {metric!r} in tolerances; allowed: {', '.join(BUDGET_METRICS)}")
+    if not isinstance(d, dict):
+        raise _err(path, f"{where}.{metric}", "a tolerance is a mapping like {rel: 0.01, abs: 2 MiB}")
+    _unknown(path, f"{where}.{metric}", d, _TOL_KEYS)
+    rel, ab = base.rel, base.abs
+    if "rel" in d:
+        if isinstance(d["rel"], bool) or not isinstance(d["rel"], (int, float)) or d["rel"] < 0:
+            raise _err(path, f"{where}.{metric}.rel", f"must be a number >= 0, got {d['rel']!r}")
+        rel = float(d["rel"])
+    if "abs" in d:
+        v = d["abs"]
+        if metric in SIZE_BUDGETS:
+            try:
+                ab = parse_size(v)
+            except ValueError as exc:
+                raise _err(path, f"{where}.{metric}.abs", str(exc)) from None
+        elif isinstance(v, bool) or not isinstance(v, int):
+            raise _err(path, f"{where}.{metric}.abs", f"a count tolerance is an integer, got {v!r}")
+        else:
+            ab = v
+        if ab < 0:
+            raise _err(path, f"{where}.{metric}.abs", f"must be >= 0, got {v!r}")
+    return Tolerance(rel, ab)
+
+
+def load_budget_file(path: str | Path) -> BudgetFile:
+    """Read and validate a budget file. Raises :class:`BudgetError` (file, entry, key) on any problem;
+    ``FileNotFoundError`` if it does not exist."""
+    p = Path(path)
+    text = p.read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"line {mark.line + 1}" if mark else "?"
+        raise _err(p, at, f"not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(raw, dict):
+        raise _err(p, "top level", "must be a mapping with keys " + ", ".join(_TOP_KEYS))
+    _unknown(p, "top level", raw, _TOP_KEYS)
+    if raw.get("schema", SCHEMA) != SCHEMA:
+        raise _err(p, "schema", f"unsupported schema {raw.get('schema')!r}; this version reads {SCHEMA}")
+    defaults = dict(DEFAULT_TOLERANCES)
+    d = raw.get("defaults") or {}
+    if not isinstance(d, dict):
+        raise _err(p, "defaults", "must be a mapping")
+    _unknown(p, "defaults", d, _DEFAULTS_KEYS)
+    for metric, tol in (d.get("tolerances") or {}).items():
+        defaults[metric] = _parse_tolerance(p, "defaults.tolerances", metric, tol, defaults.get(metric, Tolerance()))
+    entries: dict[str, BudgetEntry] = {}
+    raw_entries = raw.get("entries") or {}
+    if not isinstance(raw_entries, dict):
+        raise _err(p, "entries", "must be a mapping of scenario id -> entry")
+    for eid, e in raw_entries.items():
+        where = f"entry {eid!r}"
+        if not isinstance(e, dict):
+            raise _err(p, where, "must be a mapping")
+        _unknown(p, where, e, _ENTRY_KEYS)
+        metrics: dict[str, int] = {}
+        for m, v in (e.get("metrics") or {}).items():
+            if m not in BUDGET_METRICS:
+                raise _err(p, f"{where}.metrics", f"unknown metric {m!r}; allowed: {', '.join(BUDGET_METRICS)}")
+            if m in SIZE_BUDGETS:
+                try:
+                    metrics[m] = parse_size(v)
+                except ValueError as exc:
+                    raise _err(p, f"{where}.metrics.{m}", str(exc)) from None
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _err(p, f"{where}.metrics.{m}", f"a count is an integer >= 0, got {v!r}")
+            else:
+                metrics[m] = v
+        tols = {m: _parse_tolerance(p, f"{where}.tolerances", m, t, defaults.get(m, Tolerance()))
+                for m, t in (e.get("tolerances") or {}).items()}
+        entries[eid] = BudgetEntry(eid, metrics, tols, e.get("capture"), e.get("device"), e.get("peak_phase"), e)
+    return BudgetFile(p, raw.get("profile"), defaults, entries, raw)
+
+
+@dataclass
+class Row:
+    metric: str
+    budget: int | None
+    measured: int | None
+    tolerance: Tolerance
+    status: str  # "ok" | "over" | "under" | "new-metric"
+
+    @property
+    def delta(self) -> int | None:
+        return None if self.budget is None or self.measured is None else self.measured - self.budget
+
+    @property
+    def delta_pct(self) -> float | None:
+        if self.delta is None or not self.budget:
+            return None
+        return 100.0 * self.delta / self.budget
+
+    def fmt(self, v: int | None) -> str:
+        if v is None:
+            return "-"
+        return format_size(v) if self.metric in SIZE_BUDGETS else str(v)
+
+
+def compare(bf: BudgetFile, entry: BudgetEntry, measured: dict[str, int | None]) -> list[Row]:
+    """One row per budgeted metric. ``over`` when measured exceeds the tolerance; ``under`` when it is
+    lower than the budget by more than the tolerance (an improvement worth recording)."""
+    rows = []
+    for m in BUDGET_METRICS:
+        tol = entry.tolerances.get(m, bf.defaults.get(m, Tolerance()))
+        b, v = entry.metrics.get(m), measured.get(m)
+        if b is None:
+            rows.append(Row(m, None, v, tol, "new-metric"))
+            continue
+        v = v or 0
+        if v > tol.allowed(b):
+            status = "over"
+        elif b - v > max(tol.abs, int(tol.rel * b)):
+            status = "under"
+        else:
+            status = "ok"
+        rows.append(Row(m, b, v, tol, status))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    """metric | budget | measured | delta | tolerance, as a fixed-width text table."""
+    head = ("metric", "budget", "measured", "delta", "tolerance", "")
+    lines = [head]
+    for r in rows:
+        d = r.delta
+        delta = "-" if d is None else (("+" if d > 0 else "") + r.fmt(d) +
+                                       (f" ({r.delta_pct:+.1f}%)" if r.delta_pct is not None else ""))
+        tol = f"{r.tol_text()}" if hasattr(r, "tol_text") else _tol_text(r)
+        lines.append((r.metric, r.fmt(r.budget), r.fmt(r.measured), delta, tol,
+                      "OVER BUDGET" if r.status == "over" else ""))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _tol_text(r: Row) -> str:
+    ab = format_size(r.tolerance.abs) if r.metric in SIZE_BUDGETS else str(r.tolerance.abs)
+    return f"max({r.tolerance.rel * 100:g}%, {ab})"
+
+
+def entry_from_result(result: dict) -> dict:
+    """The YAML entry for a scenario result (sizes exact, with units)."""
+    m = result["metrics"]
+    metrics: dict[str, Any] = {}
+    for k in SIZE_BUDGETS:
+        metrics[k] = format_size(int(m.get(k) or 0), exact=True)
+    for k in COUNT_BUDGETS:
+        metrics[k] = int(m.get(k) or 0)
+    v = result.get("versions", {})
+    return {
+        "capture": result.get("capture"),
+        "device": result.get("device"),
+        "world_size": result.get("world_size"),
+        "peak_phase": result.get("peak_phase"),
+        "versions": {k: v[k] for k in ("torch", "deepspeed", "transformers", "peft", "colossalai") if k in v},
+        "metrics": metrics,
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: Any) -> bool:  # no &anchors / *aliases in budget files
+        return True
+
+
+@dataclass
+class UpdateSummary:
+    path: Path
+    new: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+
+def update_budget_file(path: str | Path, updates: dict[str, dict], profile: str) -> UpdateSummary:
+    """Merge ``updates`` (scenario id -> entry from :func:`entry_from_result`) into ``path``.
+
+    Keeps every entry it is not given and each updated entry's own ``tolerances``; writes atomically
+    under a file lock. Raises :class:`BudgetError` if the existing file is malformed (it is never
+    overwritten then).
+    """
+    from filelock import FileLock
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    summary = UpdateSummary(p)
+    with FileLock(str(p) + ".lock"):
+        raw: dict = {"schema": SCHEMA, "profile": profile, "entries": {}}
+        if p.exists():
+            load_budget_file(p)  # validate before touching anything
+            raw = yaml.safe_load(p.read_text()) or raw
+            raw.setdefault("entries", {})
+            raw["entries"] = raw["entries"] or {}
+        for eid, new in sorted(updates.items()):
+            old = raw["entries"].get(eid)
+            merged = dict(new)
+            if old and old.get("tolerances"):
+                merged["tolerances"] = old["tolerances"]
+            if old is None:
+                summary.new.append(eid)
+            elif old.get("metrics") == merged.get("metrics") and old.get("capture") == merged.get("capture"):
+                summary.unchanged.append(eid)
+                continue
+            else:
+                summary.updated.append(eid)
+            raw["entries"][eid] = merged
+        raw["entries"] = dict(sorted(raw["entries"].items()))
+        text = ("# Memory budgets written by `pytest --rlhfmem-update-baselines`; edit tolerances freely.\n"
+                "# capture 'cpu-trace-simulated' = simulated by the allocator model from a CPU run;\n"
+                "# 'cuda-memory-history' = measured on the GPU's own caching allocator.\n")
+        text += yaml.dump(raw, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    try:
+        os.unlink(str(p) + ".lock")
+    except OSError:
+        pass
+    return summary

@@ -1,1 +1,433 @@
-"""pytest face of pytest-rlhfmem (filled in by the plugin work)."""
+"""pytest face of pytest-rlhfmem: options (+ ini twins), the ``gpu`` marker, fixtures, session summary.
+
+Registered through the ``pytest11`` entry point. Heavy imports (torch, deepspeed) happen only when a
+test actually runs an iteration, so ``pytest --help`` and unrelated test runs stay fast.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from . import budgets as B
+from .hardware import CudaDevice, detect_cuda_devices, gpu_shortfall, profile_name
+from .results import IterationResult, strip_for_summary
+from .units import format_size
+
+GPU_MARKER_MODES = ("auto", "skip", "require")
+
+
+@dataclass(frozen=True)
+class _Option:
+    flag: str
+    dest: str
+    help: str
+    kind: str = "string"  # "string" | "bool" | "float" | "choice"
+    default: Any = None
+    choices: tuple[str, ...] = ()
+
+
+OPTIONS = (
+    _Option("--gpu-marker", "gpu_marker", "what to do with tests marked gpu: auto = run when enough CUDA devices "
+            "(and memory) are present, else skip saying what is missing; skip = skip them all; require = a gpu "
+            "test that cannot run FAILS", "choice", "auto", GPU_MARKER_MODES),
+    _Option("--rlhfmem-update-baselines", "rlhfmem_update_baselines",
+            "write the measured figures as the budgets (only the scenarios that ran) and pass", "bool", False),
+    _Option("--rlhfmem-baselines-dir", "rlhfmem_baselines_dir",
+            "directory of budget files <profile>/<suite>.yaml (default: baselines/ beside the rootdir)"),
+    _Option("--rlhfmem-profile", "rlhfmem_profile", "hardware profile naming the budget directory (default: cpu "
+            "for simulated figures, else cuda-<gpu model>-x<count>)"),
+    _Option("--rlhfmem-device", "rlhfmem_device", "where iterations run: auto = CUDA when enough devices, else "
+            "CPU with the allocator model", "choice", "auto", ("auto", "cpu", "cuda")),
+    _Option("--rlhfmem-timeout", "rlhfmem_timeout", "seconds one iteration (all ranks) may take before its "
+            "processes are killed and the test fails as hung", "float", 900.0),
+    _Option("--rlhfmem-json", "rlhfmem_json", "write every result of the session (with budget verdicts) to this "
+            "JSON file"),
+    _Option("--rlhfmem-snapshots", "rlhfmem_snapshots", "save each rank's trace as a memory_viz snapshot pickle in "
+            "this directory (simulated ones are labelled so inside)"),
+    _Option("--rlhfmem-report", "rlhfmem_report", "write the per-PR memory diff report (markdown) against the "
+            "baselines to this path; a JSON twin is written beside it"),
+    _Option("--rlhfmem-benchmark-json", "rlhfmem_benchmark_json", "write github-action-benchmark "
+            "customSmallerIsBetter JSON (one entry per scenario and metric, unit bytes)"),
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("rlhfmem", "RLHF memory budgets (pytest-rlhfmem)")
+    for o in OPTIONS:
+        if o.kind == "bool":
+            group.addoption(o.flag, dest=o.dest, action="store_true", default=None, help=o.help)
+            parser.addini(o.dest, o.help, type="bool", default=o.default)
+        else:
+            kw: dict[str, Any] = {"dest": o.dest, "default": None, "help": o.help}
+            if o.choices:
+                kw["choices"] = o.choices
+            if o.kind == "float":
+                kw["type"] = float
+            group.addoption(o.flag, **kw)
+            parser.addini(o.dest, o.help + " (ini twin of " + o.flag + ")", default=o.default)
+
+
+def _opt(config: pytest.Config, dest: str) -> Any:
+    """Command line wins over the ini file; ini values are validated like the command line."""
+    o = next(x for x in OPTIONS if x.dest == dest)
+    v = config.getoption(dest)
+    if v is not None:
+        return v
+    v = config.getini(dest)
+    if v in (None, ""):
+        return o.default
+    if o.kind == "float":
+        try:
+            return float(v)
+        except ValueError:
+            raise pytest.UsageError(f"ini option {dest} = {v!r}: expected a number of seconds") from None
+    if o.choices and v not in o.choices:
+        raise pytest.UsageError(f"ini option {dest} = {v!r}: allowed values are {', '.join(o.choices)}")
+    return v
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "gpu(count=1, min_memory_gib=None): needs `count` CUDA devices with at least `min_memory_gib` "
+        "GiB each; see --gpu-marker for what happens when they are missing")
+    for dest in ("gpu_marker", "rlhfmem_device", "rlhfmem_timeout"):
+        _opt(config, dest)  # validate ini values early: a bad one is a usage error
+    manager = RlhfmemSession(config)
+    config.pluginmanager.register(manager, "rlhfmem_session")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Session state
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BudgetVerdict:
+    file: str
+    entry: str
+    status: str  # "ok" | "over" | "missing" | "updated" | "new" | "unchanged" | "error" | "not-comparable"
+    worst_delta_pct: float | None = None
+    detail: str = ""
+
+
+class RlhfmemSession:
+    """Everything the session collects: results, budget verdicts, pending baseline updates."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: list[dict] = []  # stripped scenario results with "nodeid" and "budget"
+        self.pending: dict[str, dict[str, dict]] = {}  # budget file -> {entry id -> entry}
+        self.profiles: dict[str, str] = {}  # budget file -> profile
+        self.produced: dict[str, set[str]] = {}  # budget file -> entry ids produced this session
+        self.file_modules: dict[str, set[str]] = {}  # budget file -> test module node ids checking it
+        self.update_summaries: list[B.UpdateSummary] = []
+        self.deselected = False
+        self.unfinished_modules: set[str] = set()
+        self._devices: list[CudaDevice] | None = None
+
+    # -- hardware ---------------------------------------------------------------------------------
+    @property
+    def devices(self) -> list[CudaDevice]:
+        if self._devices is None:
+            self._devices = detect_cuda_devices()
+        return self._devices
+
+    @property
+    def is_xdist_worker(self) -> bool:
+        return hasattr(self.config, "workerinput")
+
+    def baselines_dir(self) -> Path:
+        d = _opt(self.config, "rlhfmem_baselines_dir")
+        return Path(d) if d else Path(self.config.rootpath) / "baselines"
+
+    def profile_for(self, result: IterationResult) -> str:
+        p = _opt(self.config, "rlhfmem_profile")
+        if p:
+            return p
+        return "cpu" if result.simulated else profile_name(self.devices)
+
+    # -- gpu marker -------------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        mark = item.get_closest_marker("gpu")
+        if mark is None:
+            return
+        mode = _opt(self.config, "gpu_marker")
+        count, min_gib = _gpu_mark_args(mark)
+        if mode == "skip":
+            pytest.skip(f"gpu test (needs {count} CUDA device(s)) skipped by --gpu-marker=skip")
+        why = gpu_shortfall(self.devices, count, min_gib)
+        if why and mode == "auto":
+            pytest.skip(f"gpu: {why}")
+        if why and mode == "require":
+            item.stash[_REQUIRE_FAIL] = why
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> None:
+        why = item.stash.get(_REQUIRE_FAIL, None)
+        if why:
+            pytest.fail(f"--gpu-marker=require: this gpu test cannot run: {why}", pytrace=False)
+
+    # -- stale-entry bookkeeping ------------------------------------------------------------------
+    def pytest_deselected(self, items: list) -> None:
+        if items:
+            self.deselected = True
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call):  # noqa: ANN001
+        outcome = yield
+        rep = outcome.get_result()
+        if rep.when == "call" and not rep.passed or rep.skipped:
+            self.unfinished_modules.add(item.nodeid.split("::")[0])
+
+    # -- results and budgets ----------------------------------------------------------------------
+    def record(self, nodeid: str, result: IterationResult, verdict: BudgetVerdict | None = None) -> dict:
+        entry = strip_for_summary(result.data)
+        entry["nodeid"] = nodeid
+        entry["budget"] = verdict.__dict__ if verdict else None
+        for r in self.results:
+            if r["nodeid"] == nodeid and r["scenario_id"] == result.scenario_id:
+                r.update(entry)
+                return r
+        self.results.append(entry)
+        return entry
+
+    def queue_update(self, file: Path, entry_id: str, entry: dict, profile: str) -> None:
+        self.pending.setdefault(str(file), {})[entry_id] = entry
+        self.profiles[str(file)] = profile
+
+    def note_produced(self, file: Path, entry_id: str, nodeid: str) -> None:
+        self.produced.setdefault(str(file), set()).add(entry_id)
+        self.file_modules.setdefault(str(file), set()).add(nodeid.split("::")[0])
+
+    # -- xdist: workers send, the controller merges and writes once ---------------------------------
+    def _state(self) -> dict:
+        return {"results": self.results, "pending": self.pending, "profiles": self.profiles,
+                "produced": {k: sorted(v) for k, v in self.produced.items()},
+                "file_modules": {k: sorted(v) for k, v in self.file_modules.items()},
+                "deselected": self.deselected, "unfinished": sorted(self.unfinished_modules)}
+
+    def merge_state(self, s: dict) -> None:
+        self.results.extend(s["results"])
+        for f, entries in s["pending"].items():
+            self.pending.setdefault(f, {}).update(entries)
+        self.profiles.update(s["profiles"])
+        for f, ids in s["produced"].items():
+            self.produced.setdefault(f, set()).update(ids)
+        for f, mods in s["file_modules"].items():
+            self.file_modules.setdefault(f, set()).update(mods)
+        self.deselected |= s["deselected"]
+        self.unfinished_modules.update(s["unfinished"])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:  # noqa: ANN001 - xdist controller hook
+        data = getattr(node, "workeroutput", {}).get("rlhfmem")
+        if data:
+            self.merge_state(json.loads(data))
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.is_xdist_worker:
+            self.config.workeroutput["rlhfmem"] = json.dumps(self._state())  # type: ignore[attr-defined]
+            return
+        for f, entries in sorted(self.pending.items()):
+            try:
+                self.update_summaries.append(B.update_budget_file(f, entries, self.profiles[f]))
+            except B.BudgetError as exc:
+                self.update_errors = getattr(self, "update_errors", []) + [str(exc)]
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        out = _opt(self.config, "rlhfmem_json")
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(self.session_json(), indent=1))
+        from . import report
+
+        report.write_session_outputs(self, self.config)
+
+    def session_json(self) -> dict:
+        return {"schema": 1, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "results": self.results}
+
+    def stale_entries(self) -> dict[str, list[str]]:
+        """Per budget file, entries no test of this session produced, when every test of the modules that
+        check that file ran and passed with nothing deselected (a whole suite ran)."""
+        if self.deselected:
+            return {}
+        out = {}
+        for f, ids in self.produced.items():
+            if self.file_modules.get(f, set()) & self.unfinished_modules or not Path(f).exists():
+                continue
+            try:
+                entries = set(B.load_budget_file(f).entries)
+            except (B.BudgetError, OSError):
+                continue
+            stale = sorted(entries - ids)
+            if stale:
+                out[f] = stale
+        return out
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
+        if self.is_xdist_worker or not (self.results or self.update_summaries):
+            return
+        tr = terminalreporter
+        tr.section("rlhfmem: memory per scenario")
+        for line in summary_table(self.results):
+            tr.write_line(line)
+        if any(r.get("simulated") for r in self.results):
+            tr.write_line("simulated = CPU allocation trace replayed through the CUDA caching allocator model; "
+                          "not a GPU measurement")
+        for s in self.update_summaries:
+            tr.write_line(f"rlhfmem: {s.path}: {len(s.updated)} updated, {len(s.new)} new, "
+                          f"{len(s.unchanged)} unchanged")
+        for err in getattr(self, "update_errors", []):
+            tr.write_line(f"rlhfmem: baseline NOT written: {err}", red=True)
+        for f, stale in self.stale_entries().items():
+            tr.write_line(f"rlhfmem: {f}: {len(stale)} stale entries (no collected test produces them): "
+                          + ", ".join(stale), yellow=True)
+
+
+_REQUIRE_FAIL = pytest.StashKey[str]()
+
+
+def _gpu_mark_args(mark: pytest.Mark) -> tuple[int, float | None]:
+    count = mark.kwargs.get("count", mark.args[0] if mark.args else 1)
+    min_gib = mark.kwargs.get("min_memory_gib", mark.args[1] if len(mark.args) > 1 else None)
+    return int(count), (float(min_gib) if min_gib is not None else None)
+
+
+def summary_table(results: list[dict]) -> list[str]:
+    """scenario | capture | peak reserved | peak allocated | fragmentation | vs budget."""
+    rows = [("scenario", "capture", "peak reserved", "peak allocated", "fragmentation", "peak phase", "vs budget")]
+    for r in results:
+        m = r.get("metrics") or {}
+        b = r.get("budget") or {}
+        if r["status"] != "ok":
+            vs = "FAILED: " + str((r.get("failure") or {}).get("error"))
+        elif not b:
+            vs = "-"
+        elif b["status"] == "ok":
+            vs = "ok" + (f" ({b['worst_delta_pct']:+.1f}%)" if b.get("worst_delta_pct") is not None else "")
+        elif b["status"] == "over":
+            vs = f"OVER ({b['worst_delta_pct']:+.1f}%)" if b.get("worst_delta_pct") is not None else "OVER"
+        else:
+            vs = b["status"]
+        rows.append((r["scenario_id"], "simulated" if r.get("simulated") else "cuda",
+                     format_size(m.get("peak_reserved")), format_size(m.get("peak_allocated")),
+                     format_size(m.get("fragmentation_at_peak")), str(r.get("peak_phase") or "-"), vs))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rlhfmem_session(request: pytest.FixtureRequest) -> RlhfmemSession:
+    """The session's :class:`RlhfmemSession` (options, results, budgets)."""
+    return request.config.pluginmanager.get_plugin("rlhfmem_session")
+
+
+@pytest.fixture
+def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSession,
+                  tmp_path_factory: pytest.TempPathFactory) -> Callable[..., IterationResult]:
+    """Factory: ``ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none",
+    flush="none", world_size=2, device=None, **overrides)`` runs ONE PPO iteration in fresh worker
+    processes (torchrun) and returns an :class:`IterationResult`. A crashed, hung or OOM run fails the
+    test with the rank, phase and memory so far. Unknown names fail with the list of valid ones."""
+    from .rlhf.launch import run_scenario
+    from .rlhf.scenario import Scenario, ScenarioError
+
+    def run(framework: str = "deepspeed-chat", models: str = "tiny-opt", strategy: str = "none",
+            flush: str = "none", world_size: int = 2, device: str | None = None, **overrides: Any) -> IterationResult:
+        try:
+            scenario = Scenario(framework, models, strategy, flush, world_size, overrides)
+        except ScenarioError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        work = tmp_path_factory.mktemp("rlhfmem-run")
+        data = run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
+                            timeout=_opt(request.config, "rlhfmem_timeout"),
+                            snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work)
+        result = IterationResult(data)
+        rlhfmem_session.record(request.node.nodeid, result)
+        if not result.ok:
+            pytest.fail(result.describe_failure(), pytrace=False)
+        return result
+
+    return run
+
+
+@dataclass
+class MemoryBudget:
+    """``memory_budget.check(result, suite=None)``: compare with ``baselines/<profile>/<suite>.yaml``.
+
+    ``suite`` defaults to the test module's name without its ``test_`` prefix. Fails the test with a
+    table (metric | budget | measured | delta | tolerance) and the phase of the peak when a budget is
+    exceeded; with a command to create it when the entry is missing; with the file, entry and key when
+    the file is malformed. Under ``--rlhfmem-update-baselines`` it records the figures instead.
+    """
+
+    request: pytest.FixtureRequest
+    session: RlhfmemSession
+    checked: list[str] = field(default_factory=list)
+
+    def path_for(self, result: IterationResult, suite: str | None = None) -> Path:
+        mod = Path(str(self.request.node.path)).stem
+        suite = suite or (mod[5:] if mod.startswith("test_") else mod)
+        return self.session.baselines_dir() / self.session.profile_for(result) / f"{suite}.yaml"
+
+    def check(self, result: IterationResult, suite: str | None = None) -> None:
+        path = self.path_for(result, suite)
+        nodeid = self.request.node.nodeid
+        eid = result.scenario_id
+        self.session.note_produced(path, eid, nodeid)
+        if self.session.config.getoption("rlhfmem_update_baselines") or self.session.config.getini(
+                "rlhfmem_update_baselines"):
+            self.session.queue_update(path, eid, B.entry_from_result(result.data), self.session.profile_for(result))
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "updated"))
+            return
+        fix = f"create it with: pytest {nodeid.split('::')[0]} --rlhfmem-update-baselines"
+        if not path.exists():
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "missing"))
+            pytest.fail(f"no baseline file {path} for {eid}; {fix}", pytrace=False)
+        try:
+            bf = B.load_budget_file(path)
+        except B.BudgetError as exc:
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "error", detail=str(exc)))
+            pytest.fail(f"malformed baseline file: {exc}", pytrace=False)
+        entry = bf.entries.get(eid)
+        if entry is None:
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "missing"))
+            pytest.fail(f"no baseline entry {eid!r} in {path}; {fix}", pytrace=False)
+        if entry.capture and entry.capture != result.capture:
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "not-comparable"))
+            pytest.fail(f"{path}: entry {eid!r} was measured with capture {entry.capture!r}, this run with "
+                        f"{result.capture!r}: the figures are not comparable (use a separate --rlhfmem-profile)",
+                        pytrace=False)
+        rows = B.compare(bf, entry, result.metrics)
+        over = [r for r in rows if r.status == "over"]
+        pcts = [r.delta_pct for r in rows if r.delta_pct is not None and r.metric in B.SIZE_BUDGETS]
+        worst = max(pcts, key=abs) if pcts else None
+        if over:
+            worst = max(r.delta_pct or 0.0 for r in over)
+        verdict = BudgetVerdict(str(path), eid, "over" if over else "ok", worst)
+        self.session.record(nodeid, result, verdict)
+        self.checked.append(eid)
+        if over:
+            label = "simulated (CPU trace through the allocator model)" if result.simulated else "measured on CUDA"
+            pytest.fail(
+                f"{eid} is over its memory budget ({label}); budget file {path}\n"
+                f"peak reserved reached in phase: {result.peak_phase}\n\n{B.format_table(rows)}", pytrace=False)
+
+
+@pytest.fixture
+def memory_budget(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSession) -> MemoryBudget:
+    """Compares an :class:`IterationResult` with its YAML budget; see :class:`MemoryBudget`."""
+    return MemoryBudget(request, rlhfmem_session)

@@ -3,10 +3,12 @@
 - CUDA: PyTorch's memory history (``torch.cuda.memory._record_memory_history``) started before the
   first model is built, plus ``torch.cuda.memory_stats()`` read at every phase end (peak since
   ``reset_peak_memory_stats`` at the phase start). Figures are the real allocator's.
-- CPU: ``torch.profiler.profile(profile_memory=True)`` records every CPU-allocator allocation and free
-  (pointer, size, time) from before the first model is built; markers (``record_function``) place phase
-  starts, flushes and placement annotations on the same clock. The resulting trace is replayed through
-  the allocator model: every figure derived from it is *simulated*.
+- CPU: a recording wrapper around PyTorch's CPU allocator (``cpu_recorder.py``) logs every allocation
+  and free (pointer, requested bytes) from every thread, from before the first model is built, with
+  markers (phase starts, flushes, placement annotations) in the same ordered buffer. Where it cannot be
+  built, ``torch.profiler.profile(profile_memory=True)`` is the fallback; it sees only the main thread,
+  so frees done on communication threads are missed (``capture_backend`` in every result says which).
+  Either trace is replayed through the allocator model: every figure derived from it is *simulated*.
 
 Placement annotations (the second trap of ``ARCHITECTURE.md``): on a CPU run a move to host is a no-op
 and host-resident state (DeepSpeed's offloaded optimizer states, ColossalChat's reference/reward models
@@ -64,6 +66,8 @@ class Recorder:
     host_bytes_annotated: int = 0
     _marks: list[tuple[str, object]] = field(default_factory=list)
     _prof: object = None
+    _ext: object = None
+    backend: str = ""
     _trace_start_us: int = 0
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
 
@@ -75,11 +79,23 @@ class Recorder:
             torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
                                                      max_entries=self.max_entries)
             torch.cuda.reset_peak_memory_stats()
+            self.backend = "torch.cuda.memory._record_memory_history"
         else:
-            from torch.profiler import ProfilerActivity, profile
+            try:
+                from .cpu_recorder import load_recorder
 
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
+                ext = load_recorder()
+                if not ext.install():
+                    raise RuntimeError("the current CPU allocator cannot be wrapped")
+                self._ext = ext
+                self.backend = "rlhfmem CPU allocator recorder (all threads)"
+                ext.start()
+            except RuntimeError:
+                from torch.profiler import ProfilerActivity, profile
+
+                self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+                self._prof.__enter__()
+                self.backend = "torch.profiler profile_memory (main thread only)"
         self._trace_start_us = time.time_ns() // 1000
 
     def stop(self) -> Trace:
@@ -94,10 +110,13 @@ class Recorder:
             if kind in (PHASE, FLUSH):
                 self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))
             return
-        from torch.profiler import record_function
-
         k = len(self._marks)
         self._marks.append((kind, payload))
+        if self._ext is not None:
+            self._ext.mark(k)
+            return
+        from torch.profiler import record_function
+
         with record_function(f"{_MARK}{k}"):
             pass
 
@@ -147,6 +166,12 @@ class Recorder:
 
     # -- CPU --------------------------------------------------------------------------------------
     def _stop_cpu(self) -> Trace:
+        if self._ext is not None:
+            rows = self._ext.stop().tolist()
+            self._ext = None
+            items = [(t, i, 1 if kind == 2 else 0, ptr, -size if kind == 1 else size)
+                     for i, (t, ptr, size, kind) in enumerate(rows)]
+            return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
         from torch._C._profiler import _EventType
 
         prof = self._prof
@@ -167,7 +192,7 @@ class Recorder:
             stack.extend(reversed(node.children))
         items.sort()
         self._prof = None
-        return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source="torch.profiler")
+        return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
 
     def cpu_events(self, items: list[tuple[int, int, int, int, int]]) -> list[Event]:
         """Turn sorted profiler items into device events, applying the placement annotations."""

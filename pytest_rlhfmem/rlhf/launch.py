@@ -35,20 +35,23 @@ def resolve_device(device: str, world_size: int) -> str:
 
 
 def prebuild_ops(device: str, offload: bool) -> None:
-    """Build DeepSpeed's JIT ops once, under a file lock, before ranks start (two ranks building the same
-    op at once race). Cached in torch's extension directory; a warm call takes about a second."""
+    """Build DeepSpeed's JIT ops (and, on CPU, the allocation recorder) once, under a file lock, before
+    ranks start: two ranks building the same op at once race. Cached in torch's extension directory;
+    a warm call takes about a second."""
     from filelock import FileLock
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
     builders = (["ShareMemCommBuilder"] if device == "cpu" else []) + (["CPUAdamBuilder"] if offload else [])
-    if not builders:
+    if not builders and device != "cpu":
         return
     code = ("from deepspeed.accelerator import get_accelerator\n"
             f"for b in {builders!r}:\n"
             "    ob = get_accelerator().create_op_builder(b)\n"
             "    ob = None if type(ob).__name__ == \"NotImplementedBuilder\" else ob\n"
             "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
+    if device == "cpu":
+        code += "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nload_recorder()\n"
     with FileLock(str(cache / "ds-ops.lock")):
         subprocess.run([sys.executable, "-c", code], env=_worker_env(device, 1), check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)

@@ -85,6 +85,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "world_size": world_size,
         "device": device,
         "capture": trace.capture,
+        "capture_backend": rec.backend,
         "simulated": not is_cuda,
         "status": "failed" if error else "ok",
         "error": error,

@@ -1,0 +1,114 @@
+// Records every allocation and free of PyTorch's CPU allocator, from every thread, in one ordered
+// buffer, with markers (phases, flushes, placement annotations) interleaved under the same lock.
+// The CPU twin of CUDA's memory history (c10/cuda/CUDACachingAllocator.cpp, record_trace).
+//
+// install(): wraps the current CPU allocator (c10::GetCPUAllocator) with c10::SetCPUAllocator.
+// Only allocators whose DataPtr context is the data pointer (the default CPU allocator's
+// ReportAndDelete) can be wrapped; install() refuses others.
+#include <torch/extension.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+struct Entry {
+  int64_t time_ns;
+  int64_t ptr;   // data pointer, or the marker id for kind 2
+  int64_t size;  // requested bytes
+  int64_t kind;  // 0 alloc, 1 free, 2 marker
+};
+
+std::mutex mu;
+std::vector<Entry> entries;
+std::unordered_map<void*, int64_t> live_sizes;
+std::atomic<bool> recording{false};
+c10::Allocator* base = nullptr;
+c10::DeleterFnPtr base_deleter = nullptr;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void record_and_delete(void* ptr) {
+  if (ptr != nullptr) {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = live_sizes.find(ptr);
+    if (it != live_sizes.end()) {
+      if (recording.load()) entries.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), it->second, 1});
+      live_sizes.erase(it);
+    }
+  }
+  base_deleter(ptr);
+}
+
+struct RecordingCPUAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    c10::DataPtr inner = base->allocate(n);
+    void* data = inner.get();
+    void* ctx = inner.release_context();  // ctx == data for the default CPU allocator
+    if (data != nullptr && n > 0) {
+      std::lock_guard<std::mutex> g(mu);
+      live_sizes[data] = static_cast<int64_t>(n);
+      if (recording.load()) entries.push_back({now_ns(), reinterpret_cast<int64_t>(data), static_cast<int64_t>(n), 0});
+    }
+    return {data, ctx, &record_and_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &record_and_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+RecordingCPUAllocator recorder;
+
+bool install() {
+  if (base != nullptr) return true;
+  c10::Allocator* current = c10::GetCPUAllocator();
+  c10::DataPtr probe = current->allocate(64);
+  bool ctx_is_data = probe.get() == probe.get_context();
+  c10::DeleterFnPtr deleter = probe.get_deleter();
+  if (!ctx_is_data || deleter == nullptr) return false;
+  base = current;
+  base_deleter = deleter;
+  c10::SetCPUAllocator(&recorder, /*priority=*/100);
+  return c10::GetCPUAllocator() == &recorder;
+}
+
+void start() {
+  std::lock_guard<std::mutex> g(mu);
+  entries.clear();
+  recording.store(true);
+}
+
+void mark(int64_t id) {
+  std::lock_guard<std::mutex> g(mu);
+  entries.push_back({now_ns(), id, 0, 2});
+}
+
+// Stops recording and returns the entries as a [N, 4] int64 tensor (time_ns, ptr, size, kind).
+torch::Tensor stop() {
+  std::vector<Entry> out;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    recording.store(false);
+    out.swap(entries);
+  }
+  auto t = torch::empty({static_cast<int64_t>(out.size()), 4}, torch::kInt64);
+  if (!out.empty()) std::memcpy(t.data_ptr<int64_t>(), out.data(), out.size() * sizeof(Entry));
+  return t;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("install", &install, "wrap the CPU allocator; False if it cannot be wrapped");
+  m.def("start", &start, "start recording");
+  m.def("mark", &mark, "append a marker");
+  m.def("stop", &stop, "stop and return entries [N, 4] int64: time_ns, ptr, size, kind");
+}

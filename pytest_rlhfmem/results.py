@@ -1,0 +1,72 @@
+"""The result of one PPO iteration as tests see it (a thin view over the scenario result dict)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .units import format_size
+
+
+@dataclass
+class IterationResult:
+    """``data`` is the scenario result of :func:`pytest_rlhfmem.rlhf.launch.aggregate` (bytes inside).
+
+    ``metrics``: whole-iteration figures, max over ranks; ``phases``: the same per phase;
+    ``simulated``: True when the figures come from the allocator model replaying a CPU trace.
+    """
+
+    data: dict
+
+    @property
+    def scenario_id(self) -> str:
+        return self.data["scenario_id"]
+
+    @property
+    def ok(self) -> bool:
+        return self.data["status"] == "ok"
+
+    @property
+    def metrics(self) -> dict:
+        return self.data["metrics"]
+
+    @property
+    def phases(self) -> dict:
+        return self.data["phases"]
+
+    @property
+    def simulated(self) -> bool:
+        return bool(self.data["simulated"])
+
+    @property
+    def capture(self) -> str:
+        return self.data["capture"]
+
+    @property
+    def peak_phase(self) -> str | None:
+        return self.data.get("peak_phase")
+
+    def __getitem__(self, key: str):
+        return self.data[key]
+
+    def describe_failure(self) -> str:
+        """One paragraph: which rank failed in which phase, why, and the memory up to then."""
+        f = self.data.get("failure") or {}
+        mem = f.get("memory_so_far") or {}
+        mem_s = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}" for k, v in mem.items() if v is not None)
+        label = " (simulated)" if f.get("simulated") else ""
+        lines = [f"{self.scenario_id}: rank {f.get('rank')} failed in phase {f.get('phase')!r}: "
+                 f"{f.get('error')}: {f.get('message')}",
+                 f"memory so far{label}: {mem_s or 'unknown'}"]
+        for other in self.data.get("failures", [])[1:]:
+            lines.append(f"also rank {other['rank']} in phase {other['phase']!r}: {other['error']}")
+        if self.data.get("log_tail"):
+            lines.append("launcher log (tail):\n" + self.data["log_tail"][-1500:])
+        return "\n".join(lines)
+
+
+def strip_for_summary(data: dict) -> dict:
+    """The scenario result without per-rank series (what travels between xdist workers and into the
+    session JSON by default)."""
+    out = {k: v for k, v in data.items() if k != "ranks"}
+    out["ranks"] = [{k: v for k, v in r.items() if k != "series"} for r in data.get("ranks", [])]
+    return out

@@ -55,12 +55,15 @@ class Tolerance:
         return budget + max(self.abs, int(self.rel * budget))
 
 
-# Stage-3 runs vary by about 0.5% of the peak between runs (other threads allocate): 1% + 2 MiB covers it.
+# Measured spread (benchmarks/spread.py, 3 runs of each CPU-matrix scenario, tiny OPT, 2 ranks): peaks
+# and fragmentation vary by at most one 512-byte block (communication threads free at slightly different
+# moments); the cudaMalloc count of ZeRO-3 runs with flushing varies by 2. A GPU's own nondeterminism
+# (the reference reports ~0.5% of the peak for ZeRO-3) is covered by the relative parts.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "peak_reserved": Tolerance(0.01, 2 * 2**20),
     "peak_allocated": Tolerance(0.01, 2 * 2**20),
     "fragmentation_at_peak": Tolerance(0.05, 4 * 2**20),
-    "cuda_malloc_count": Tolerance(0.05, 2),
+    "cuda_malloc_count": Tolerance(0.1, 3),
     "alloc_retries": Tolerance(0.0, 0),
 }
 

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import pytest
 
 from . import budgets as B
-from .hardware import CudaDevice, detect_cuda_devices, gpu_shortfall, profile_name
+from . import hardware
+from .hardware import CudaDevice, gpu_shortfall, profile_name
 from .results import IterationResult, strip_for_summary
 from .units import format_size
 
@@ -135,7 +136,7 @@ class RlhfmemSession:
     @property
     def devices(self) -> list[CudaDevice]:
         if self._devices is None:
-            self._devices = detect_cuda_devices()
+            self._devices = hardware.detect_cuda_devices()
         return self._devices
 
     @property

@@ -1,2 +1,70 @@
-def add_run_parser(sub):
-    pass
+"""``rlhfmem run``: one PPO iteration of one scenario, with the per-phase table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..units import format_size
+from .scenario import DEVICES, FLUSH_POLICIES, FRAMEWORKS
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="run one PPO iteration in fresh torchrun workers and print per-phase memory")
+    r.add_argument("--framework", default="deepspeed-chat", help=f"one of: {', '.join(FRAMEWORKS)}")
+    r.add_argument("--models", default="tiny-opt", help="model pair (tiny-opt, tiny-gpt2, opt-1.3b, ...)")
+    r.add_argument("--strategy", default="none", help="memory strategy (none, zero1, zero2, zero3, ...)")
+    r.add_argument("--flush", default="none", help=f"one of: {', '.join(FLUSH_POLICIES)}")
+    r.add_argument("--world-size", type=int, default=2)
+    r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
+    r.add_argument("--batch-size", type=int, default=None)
+    r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
+    r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
+    r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
+    r.set_defaults(func=_run)
+
+
+def phase_table(result: dict) -> list[str]:
+    """Per phase: peak reserved, peak allocated, fragmentation, cudaMalloc, time (max over ranks)."""
+    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "time")]
+    for name, p in result["phases"].items():
+        rows.append((name, format_size(p["peak_reserved"]), format_size(p["peak_allocated"]),
+                     format_size(p["fragmentation_at_peak"]) if p["fragmentation_at_peak"] else "-",
+                     str(p["cuda_malloc_count"]), f"{p['wall_s']:.2f} s"))
+    m = result["metrics"]
+    rows.append(("iteration", format_size(m["peak_reserved"]), format_size(m["peak_allocated"]),
+                 format_size(m["fragmentation_at_peak"]), str(m["cuda_malloc_count"]),
+                 f"{result['iteration_wall_s'] or 0:.2f} s"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..cli import CliError
+    from .launch import run_scenario
+    from .scenario import Scenario, ScenarioError
+
+    overrides = {"batch_size": args.batch_size} if args.batch_size else {}
+    try:
+        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides)
+        if args.device not in DEVICES:
+            raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
+    except ScenarioError as exc:
+        raise CliError(str(exc)) from None
+    result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
+    label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
+             if result["simulated"] else "measured: CUDA caching allocator")
+    print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    if result["status"] != "ok":
+        from ..results import IterationResult
+
+        print("FAILED: " + IterationResult(result).describe_failure())
+        return 1
+    for line in phase_table(result):
+        print(line)
+    print(f"peak reserved reached in phase: {result['peak_phase']}")
+    return 0

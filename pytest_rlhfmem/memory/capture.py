@@ -73,6 +73,9 @@ class Recorder:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.device == "off":  # a bare iteration: phases timed, nothing recorded (capture overhead)
+            self.backend = "none"
+            return
         if self.device == "cuda":
             import torch
 
@@ -100,12 +103,16 @@ class Recorder:
 
     def stop(self) -> Trace:
         """Stop recording and return the device trace (phases, flushes, placement applied)."""
+        if self.device == "off":
+            return Trace(events=[], capture="none", source="capture off")
         if self.device == "cuda":
             return self._stop_cuda()
         return self._stop_cpu()
 
     # -- markers ----------------------------------------------------------------------------------
     def _mark(self, kind: str, payload: object) -> None:
+        if self.device == "off":
+            return
         if self.device == "cuda":
             if kind in (PHASE, FLUSH):
                 self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))

@@ -38,11 +38,19 @@ class ReplayResult:
     final_reserved: int
     final_allocated: int
     final_requested: int
-    segments: list[dict]
+    model: CachingAllocatorModel
     collector: MetricsCollector
     mode: str
     unmatched_frees: int = 0
     flush_points: list[int] = field(default_factory=list)  # event indices where a flush released memory
+    flushes: list[dict] = field(default_factory=list)  # each FLUSH: name, phase, bytes and segments released
+    cuda_frees_outside_flushes: int = 0  # cudaFree calls made by the miss path (retries), not by a flush
+    requested_at_phase_end: dict[str, int] = field(default_factory=dict)  # live tensor bytes as each phase ends
+
+    @property
+    def segments(self) -> list[dict]:
+        """The end state in ``_snapshot()['segments']`` form (built on demand)."""
+        return self.model.snapshot_segments()
 
 
 def _recorded_release_batches(events: list) -> dict[int, int | None]:
@@ -117,6 +125,9 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
     live: dict[int, Block] = {}  # recorded address -> model block
     unmatched_frees = 0
     flush_points: list[int] = []
+    flushes: list[dict] = []
+    flush_frees = 0
+    requested_at_end: dict[str, int] = {}
     malloc = model.malloc
     free = model.free
     after_event = collector.after_event
@@ -163,20 +174,30 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
                 flush_points.append(idx)
         elif action == FLUSH:
             state["last_was_free"] = False
-            before = st.reserved_bytes
+            before, frees_before, requested_before = st.reserved_bytes, st.num_device_free, st.requested_bytes
             model.release_cached_blocks()
             collector.on_flush(st.allocated_bytes)
+            flush_frees += st.num_device_free - frees_before
+            flushes.append({"name": ev.name, "phase": collector.current.phase if collector.current else None,
+                            "released_bytes": before - st.reserved_bytes,
+                            "segments_released": st.num_device_free - frees_before,
+                            "requested_before": requested_before, "requested_after": st.requested_bytes})
             if st.reserved_bytes != before:
                 flush_points.append(idx)
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
         elif action == PHASE:
+            if collector.current is not None:
+                requested_at_end[collector.current.phase] = st.requested_bytes
             collector.begin_phase(ev.name, st.reserved_bytes, st.allocated_bytes, ev.time_us)
+    if collector.current is not None:
+        requested_at_end[collector.current.phase] = st.requested_bytes
     return ReplayResult(
         total=collector.total, phases=collector.phases, peak_phase=collector.peak_phase,
         segment_allocs=segment_allocs, segment_free_batches=free_batches,
         final_reserved=st.reserved_bytes, final_allocated=st.allocated_bytes,
-        final_requested=st.requested_bytes, segments=model.snapshot_segments(), collector=collector,
-        mode=mode, unmatched_frees=unmatched_frees, flush_points=flush_points,
+        final_requested=st.requested_bytes, model=model, collector=collector,
+        mode=mode, unmatched_frees=unmatched_frees, flush_points=flush_points, flushes=flushes,
+        cuda_frees_outside_flushes=st.num_device_free - flush_frees, requested_at_phase_end=requested_at_end,
     )
 
 

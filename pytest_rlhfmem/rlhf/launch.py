@@ -72,9 +72,11 @@ def _worker_env(device: str, threads: int) -> dict:
 
 
 def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None) -> dict:
+                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
+                 capture: bool = True) -> dict:
     """Run ``scenario`` once; returns the scenario result (see :func:`aggregate`). Never raises for a
-    failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why."""
+    failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why.
+    ``capture=False`` runs the bare iteration (timed, nothing recorded): the capture-overhead baseline."""
     from .deepspeed_chat import STRATEGY_SETTINGS
 
     device = resolve_device(device, scenario.world_size)
@@ -90,6 +92,8 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
            "--out-dir", str(work), "--device", device]
     if snapshot_dir:
         cmd += ["--snapshot-dir", str(snapshot_dir)]
+    if not capture:
+        cmd.append("--no-capture")
     log_path = work / "launcher.log"
     timed_out = False
     with open(log_path, "wb") as log:

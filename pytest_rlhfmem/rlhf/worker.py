@@ -56,7 +56,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
     """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
     memory_stats) and assemble this rank's result."""
     from ..memory.replay import ANCHORED, FREE_RUNNING, replay
-    from ..memory.trace import CAPTURE_CUDA
+    from ..memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA
 
     is_cuda = trace.capture == CAPTURE_CUDA
     result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
@@ -86,7 +86,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "device": device,
         "capture": trace.capture,
         "capture_backend": rec.backend,
-        "simulated": not is_cuda,
+        "simulated": trace.capture == CAPTURE_CPU_SIMULATED,
         "status": "failed" if error else "ok",
         "error": error,
         "versions": versions(),
@@ -96,7 +96,9 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "phases": phases,
         "peak_phase": result.peak_phase,
         "final_requested": result.final_requested,
-        "flush_points": len(result.flush_points),
+        "flushes": result.flushes,
+        "cuda_frees_outside_flushes": result.cuda_frees_outside_flushes,
+        "requested_at_phase_end": result.requested_at_phase_end,
         "events": sum(1 for e in trace.events if e.action in ("alloc", "free")),
         "host_bytes_annotated": rec.host_bytes_annotated,
         "recipe": recipe_info or {},
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
     ap.add_argument("--snapshot-dir", default=None)
+    ap.add_argument("--no-capture", action="store_true", help="bare iteration: time it, record nothing")
     args = ap.parse_args(argv)
 
     import torch
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
-    rec = Recorder(args.device, on_phase=on_phase)
+    rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase)
     if scenario.framework == "deepspeed-chat":
         from .deepspeed_chat import run_iteration
     else:
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     trace = rec.stop()
     result = rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall)
-    if args.snapshot_dir:
+    if args.snapshot_dir and not args.no_capture:
         from ..memory.replay import FREE_RUNNING, replay
 
         snap_dir = Path(args.snapshot_dir)

@@ -1,0 +1,66 @@
+"""The CUDA capture path's data handling, exercised on a real recorded GPU snapshot (no GPU here)."""
+
+import pytest
+
+from conftest import SNAPSHOTS
+from pytest_rlhfmem.memory.capture import PhaseRecord, Recorder, cuda_phase_stats, cuda_trace_with_marks
+from pytest_rlhfmem.memory.trace import CAPTURE_CUDA, FLUSH, PHASE, load_snapshot
+from pytest_rlhfmem.rlhf import launch
+from pytest_rlhfmem.rlhf.scenario import Scenario
+
+
+def _marks(snap):
+    times = [e["time_us"] for e in snap["device_traces"][0] if e.get("time_us")]
+    lo, hi = min(times), max(times)
+    third = (hi - lo) // 3
+    return [(PHASE, lo, "generate"), (PHASE, lo + third, "infer_actor"), (FLUSH, lo + 2 * third, "after-infer_actor"),
+            (PHASE, lo + 2 * third + 1, "train_actor")]
+
+
+def test_phase_marks_merge_into_the_recorded_trace_by_time():
+    snap = load_snapshot(SNAPSHOTS / "cs336_ctx256_fwd.pickle")
+    trace = cuda_trace_with_marks(snap, _marks(snap))
+    assert trace.capture == CAPTURE_CUDA
+    names = [e.name for e in trace.events if e.action in (PHASE, FLUSH)]
+    assert names == ["generate", "infer_actor", "after-infer_actor", "train_actor"]
+    times = [e.time_us for e in trace.events]
+    assert times == sorted(times)  # marks land in time order among the recorded events
+
+
+def test_cuda_rank_result_uses_the_real_allocator_figures():
+    from pytest_rlhfmem.rlhf.worker import rank_result
+
+    snap = load_snapshot(SNAPSHOTS / "cs336_ctx256_fwd.pickle")
+    trace = cuda_trace_with_marks(snap, _marks(snap))
+    rec = Recorder("cuda")
+    stats = {"reserved_bytes.all.peak": 30 * 2**30, "allocated_bytes.all.peak": 25 * 2**30, "num_device_alloc": 500,
+             "num_alloc_retries": 1, "num_ooms": 0, "num_device_free": 300}
+    rec.phases = [PhaseRecord("generate", 1.0, cuda_phase_stats({}, stats)),
+                  PhaseRecord("infer_actor", 0.5, None), PhaseRecord("train_actor", 2.0, None)]
+    res = rank_result(Scenario("deepspeed-chat", "opt-1.3b", "zero3", "after-inference", 4), 0, 4, "cuda", rec, trace,
+                      {}, None, 1, 3.5)
+    assert res["simulated"] is False and res["capture"] == CAPTURE_CUDA
+    gen = next(p for p in res["phases"] if p["phase"] == "generate")
+    assert gen["peak_reserved"] == 30 * 2**30 and gen["alloc_retries"] == 1 and gen["cuda_malloc_count"] == 500
+    assert res["total"]["peak_reserved"] >= 30 * 2**30  # the memory_stats peak is not lost
+    assert res["flushes"][0]["name"] == "after-infer_actor"
+
+
+def test_cuda_phase_stats_are_deltas_of_counters_and_peaks_since_reset():
+    before = {"num_device_alloc": 10, "num_device_free": 2, "num_alloc_retries": 1, "num_ooms": 0}
+    after = {"num_device_alloc": 15, "num_device_free": 2, "num_alloc_retries": 3, "num_ooms": 1,
+             "reserved_bytes.all.peak": 100, "allocated_bytes.all.peak": 80, "inactive_split_bytes.all.current": 5}
+    assert cuda_phase_stats(before, after) == {"peak_reserved": 100, "peak_allocated": 80, "inactive_split_bytes": 5,
+                                               "cuda_malloc_count": 5, "cuda_free_count": 0, "alloc_retries": 2,
+                                               "ooms": 1}
+
+
+@pytest.mark.parametrize("available, count, world, expected", [(True, 4, 4, "cuda"), (True, 2, 4, "cpu"),
+                                                                (False, 0, 1, "cpu")])
+def test_auto_device_takes_cuda_whenever_enough_devices(monkeypatch, available, count, world, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert launch.resolve_device("auto", world) == expected
+    assert launch.resolve_device("cpu", world) == "cpu"

@@ -94,6 +94,45 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diff(args: argparse.Namespace) -> int:
+    from .report import ReportInputError, diff, load_side, parse_threshold, to_json, to_markdown, without_flush
+
+    try:
+        threshold = parse_threshold(args.threshold)
+        base, head = load_side(args.base), load_side(args.head)
+        if args.ignore_flush:
+            base, head = without_flush(base), without_flush(head)
+        d = diff(base, head, threshold)
+    except (ReportInputError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    if args.format == "json":
+        json.dump(to_json(d), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(to_markdown(d))
+    return 1 if (args.fail_on_regression and d.regressed) else 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .plot import load_result, plot_results
+    from .report import ReportInputError
+
+    if len(args.results) > 2:
+        raise CliError("plot takes one result, or two to overlay")
+    try:
+        results = [load_result(p, args.scenario) for p in args.results]
+    except ReportInputError as exc:
+        raise CliError(str(exc)) from None
+    labels = args.labels.split(",") if args.labels else [
+        r["scenario"]["flush"] if len({x["scenario"]["flush"] for x in results}) == len(results) else r["scenario_id"]
+        for r in results]
+    if len(labels) != len(results):
+        raise CliError(f"--labels needs {len(results)} comma-separated names")
+    out = plot_results(list(zip(labels, results)), args.output)
+    print(out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlhfmem", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -112,6 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device-memory-gib", type=float, default=None, help="device capacity (default: unlimited)")
     r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")
     r.set_defaults(func=_replay)
+
+    d = sub.add_parser("diff", help="per-PR memory diff of two result or budget files")
+    d.add_argument("base", help="session result (--rlhfmem-json), run result (rlhfmem run --json) or budget YAML")
+    d.add_argument("head", help="the same kinds as BASE")
+    d.add_argument("--format", choices=("md", "json"), default="md")
+    d.add_argument("--threshold", default="5%", help="relative change that counts (default 5%%)")
+    d.add_argument("--fail-on-regression", action="store_true", help="exit 1 when anything regressed")
+    d.add_argument("--ignore-flush", action="store_true",
+                   help="pair scenarios that differ only in flush policy (e.g. flush-none vs flush-after-inference)")
+    d.set_defaults(func=_diff)
+
+    pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two overlaid")
+    pl.add_argument("results", nargs="+", metavar="RESULT.json")
+    pl.add_argument("--scenario", default=None, help="scenario id (when a session file holds several)")
+    pl.add_argument("--labels", default=None, help="comma-separated legend names")
+    pl.add_argument("-o", "--output", required=True, help="PNG to write")
+    pl.set_defaults(func=_plot)
 
     from .rlhf.cli_run import add_run_parser  # noqa: PLC0415 (keeps `replay` free of torch imports)
     add_run_parser(sub)

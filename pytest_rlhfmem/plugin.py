@@ -283,6 +283,13 @@ class RlhfmemSession:
         if any(r.get("simulated") for r in self.results):
             tr.write_line("simulated = CPU allocation trace replayed through the CUDA caching allocator model; "
                           "not a GPU measurement")
+        from .report import flush_tradeoffs
+
+        trade = flush_tradeoffs(self.results)
+        if trade:
+            tr.write_line("flush policies: memory saving next to time overhead (iteration wall time)")
+            for line in trade:
+                tr.write_line("  " + line)
         for s in self.update_summaries:
             tr.write_line(f"rlhfmem: {s.path}: {len(s.updated)} updated, {len(s.new)} new, "
                           f"{len(s.unchanged)} unchanged")

@@ -65,8 +65,9 @@ class IterationResult:
 
 
 def strip_for_summary(data: dict) -> dict:
-    """The scenario result without per-rank series (what travels between xdist workers and into the
-    session JSON by default)."""
-    out = {k: v for k, v in data.items() if k != "ranks"}
-    out["ranks"] = [{k: v for k, v in r.items() if k != "series"} for r in data.get("ranks", [])]
+    """The scenario result as the session keeps it (and xdist workers send it): without the launcher's
+    log tail of a successful run. Series stay: ``rlhfmem plot`` reads them from the session JSON."""
+    out = dict(data)
+    if out.get("status") == "ok":
+        out.pop("log_tail", None)
     return out

@@ -36,3 +36,15 @@ def load_matrix(name: str) -> list:
         s = Scenario(m["framework"], models, strategy, flush, int(m["world_size"]), dict(m.get("overrides") or {}))
         params.append(pytest.param(s, id=s.id, marks=marks))
     return params
+
+
+def run_benchmarked(benchmark, ppo_iteration, scenario: Scenario, device: str):
+    """One iteration timed by pytest-benchmark (one round: ``--benchmark-compare-fail`` works on time as
+    budgets do on memory), with the memory figures in ``extra_info``."""
+    result = benchmark.pedantic(ppo_iteration, args=(scenario.framework, scenario.models, scenario.strategy,
+                                                     scenario.flush, scenario.world_size),
+                                kwargs={"device": device, **scenario.overrides}, rounds=1, iterations=1)
+    benchmark.extra_info.update({"scenario_id": result.scenario_id, "capture": result.capture,
+                                 "simulated": result.simulated, "iteration_wall_s": result["iteration_wall_s"],
+                                 "memory": result.metrics, "memory_units": "bytes for sizes, plain counts"})
+    return result

@@ -7,13 +7,12 @@ checked against baselines/cpu/deepspeed_chat_cpu.yaml.
 import math
 
 import pytest
-from matrix import load_matrix
+from matrix import load_matrix, run_benchmarked
 
 
 @pytest.mark.parametrize("scenario", load_matrix("deepspeed_chat_cpu"))
-def test_iteration_within_budget(scenario, ppo_iteration, memory_budget):
-    result = ppo_iteration(scenario.framework, scenario.models, scenario.strategy, scenario.flush,
-                           scenario.world_size, device="cpu", **scenario.overrides)
+def test_iteration_within_budget(scenario, ppo_iteration, memory_budget, benchmark):
+    result = run_benchmarked(benchmark, ppo_iteration, scenario, device="cpu")
     assert result.simulated and result.capture == "cpu-trace-simulated"
     for rank in result["ranks"]:
         assert math.isfinite(rank["recipe"]["actor_loss"]) and math.isfinite(rank["recipe"]["critic_loss"])

@@ -3,12 +3,11 @@ strategies, flush none and after-inference, 4 ranks on 4 x 24 GB GPUs. Real CUDA
 baselines/cuda-<gpu>-x4/deepspeed_chat_study.yaml."""
 
 import pytest
-from matrix import load_matrix
+from matrix import load_matrix, run_benchmarked
 
 
 @pytest.mark.parametrize("scenario", load_matrix("deepspeed_chat_study"))
-def test_iteration_within_budget(scenario, ppo_iteration, memory_budget):
-    result = ppo_iteration(scenario.framework, scenario.models, scenario.strategy, scenario.flush,
-                           scenario.world_size, device="cuda", **scenario.overrides)
+def test_iteration_within_budget(scenario, ppo_iteration, memory_budget, benchmark):
+    result = run_benchmarked(benchmark, ppo_iteration, scenario, device="cuda")
     assert not result.simulated and result.capture == "cuda-memory-history"
     memory_budget.check(result)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
 from .metrics import MetricsCollector, WindowMetrics
-from .trace import ALLOC, FLUSH, FREE, PHASE, SEGMENT_ALLOC, SEGMENT_FREE, Trace
+from .trace import ALLOC, FLUSH, FREE, OOM, PHASE, SEGMENT_ALLOC, SEGMENT_FREE, Event, Trace
 
 ANCHORED = "anchored"
 FREE_RUNNING = "free-running"
@@ -46,6 +46,7 @@ class ReplayResult:
     flushes: list[dict] = field(default_factory=list)  # each FLUSH: name, phase, bytes and segments released
     cuda_frees_outside_flushes: int = 0  # cudaFree calls made by the miss path (retries), not by a flush
     requested_at_phase_end: dict[str, int] = field(default_factory=dict)  # live tensor bytes as each phase ends
+    events: list[Event] | None = None  # with record_events: the replayed trace (model addresses, segment events)
 
     @property
     def segments(self) -> list[dict]:
@@ -75,8 +76,11 @@ def _recorded_release_batches(events: list) -> dict[int, int | None]:
 
 
 def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE_RUNNING,
-           capacity: int | None = None, record_series: bool = True) -> ReplayResult:
+           capacity: int | None = None, record_series: bool = True, record_events: bool = False) -> ReplayResult:
     """Replay ``trace``; returns a :class:`ReplayResult`.
+
+    ``record_events`` keeps the replayed trace (``ReplayResult.events``): allocations at the addresses the
+    model chose, with its own segment_alloc/segment_free events, ready for :func:`~.trace.write_snapshot`.
 
     ``config`` defaults to the trace's recorded allocator settings; ``capacity`` is the device's bytes
     (``None`` = unlimited). Raises ``ValueError`` for an unknown ``mode``. A request the model cannot
@@ -90,7 +94,8 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
     segment_allocs: list[tuple[int, int]] = []
     free_batches: list[list[tuple[int, int]]] = []
     pending_anchor: list[tuple[int, int]] = []  # recorded (addr, size) awaiting the model's cudaMalloc
-    state = {"last_was_free": False}
+    state = {"last_was_free": False, "time_us": 0}
+    out_events: list[Event] | None = [] if record_events else None
     model = CachingAllocatorModel(config, capacity=capacity)
     st = model.stats
 
@@ -100,6 +105,8 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
 
     def on_segment_alloc(address: int, size: int, stream: int) -> None:
         segment_allocs.append((address, size))
+        if out_events is not None:
+            out_events.append(Event(SEGMENT_ALLOC, address, size, stream, state["time_us"]))
         state["last_was_free"] = False
         collector.on_cuda_malloc(size, st.reserved_bytes, st.allocated_bytes, st.inactive_split_bytes)
 
@@ -109,6 +116,8 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
             state["last_was_free"] = True
         free_batches[-1].append((address, size))
         collector.on_cuda_free()
+        if out_events is not None:
+            out_events.append(Event(SEGMENT_FREE, address, size, stream, state["time_us"]))
 
     def anchor(size: int) -> int | None:
         if pending_anchor and pending_anchor[0][1] == size:
@@ -133,14 +142,19 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
     after_event = collector.after_event
     for idx, ev in enumerate(events):
         action = ev.action
+        if out_events is not None:
+            state["time_us"] = ev.time_us
         if action == ALLOC:
             if idx in retry_allocs:
                 model.fail_next_cuda_malloc = anchored
             retries, ooms = st.num_alloc_retries, st.num_ooms
             try:
-                live[ev.addr] = malloc(ev.size, ev.stream)
+                block = live[ev.addr] = malloc(ev.size, ev.stream)
+                if out_events is not None:
+                    out_events.append(Event(ALLOC, block.address, ev.size, ev.stream, ev.time_us))
             except OutOfMemoryError:
-                pass
+                if out_events is not None:
+                    out_events.append(Event(OOM, 0, ev.size, ev.stream, ev.time_us))
             model.fail_next_cuda_malloc = False
             pending_anchor.clear()
             if st.num_alloc_retries != retries or st.num_ooms != ooms:
@@ -155,6 +169,8 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
                 else:
                     unmatched_frees += 1
                     continue
+            if out_events is not None:  # before free(): a merge may move the block's start address
+                out_events.append(Event(FREE, block.address, block.requested_size, ev.stream, ev.time_us))
             free(block)
             state["last_was_free"] = False
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
@@ -186,6 +202,8 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
                 flush_points.append(idx)
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
         elif action == PHASE:
+            if out_events is not None:
+                out_events.append(ev)
             if collector.current is not None:
                 requested_at_end[collector.current.phase] = st.requested_bytes
             collector.begin_phase(ev.name, st.reserved_bytes, st.allocated_bytes, ev.time_us)
@@ -198,6 +216,7 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
         final_requested=st.requested_bytes, model=model, collector=collector,
         mode=mode, unmatched_frees=unmatched_frees, flush_points=flush_points, flushes=flushes,
         cuda_frees_outside_flushes=st.num_device_free - flush_frees, requested_at_phase_end=requested_at_end,
+        events=out_events,
     )
 
 

@@ -160,13 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     trace = rec.stop()
     result = rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall)
     if args.snapshot_dir and not args.no_capture:
-        from ..memory.replay import FREE_RUNNING, replay
+        from ..memory.replay import ANCHORED, FREE_RUNNING, replay
+        from ..memory.trace import CAPTURE_CUDA, Trace
 
         snap_dir = Path(args.snapshot_dir)
         name = scenario.id.replace("/", "__") + f"__rank{rank}.pickle"
-        segments = replay(trace, mode=FREE_RUNNING, record_series=False).segments
-        note = "simulated: CPU allocation trace replayed through the CUDA caching allocator model"
-        result["snapshot"] = str(write_snapshot(snap_dir / name, trace, segments, note=note))
+        if trace.capture == CAPTURE_CUDA:  # the real allocator's own snapshot
+            note = "measured: CUDA memory history"
+            out_trace, segments = trace, replay(trace, mode=ANCHORED, record_series=False).segments
+        else:  # the replayed trace: addresses and segment events are the model's
+            note = "simulated: CPU allocation trace replayed through the CUDA caching allocator model"
+            sim = replay(trace, mode=FREE_RUNNING, record_series=False, record_events=True)
+            out_trace, segments = Trace(events=sim.events or [], capture=trace.capture), sim.segments
+        result["snapshot"] = str(write_snapshot(snap_dir / name, out_trace, segments, note=note))
     _write_json(out / f"result-rank{rank}.json", result)
     code = 1 if error else 0
     sys.stdout.flush()

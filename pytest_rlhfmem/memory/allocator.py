@@ -20,7 +20,7 @@ moment the real allocator returned it to its pool).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from sortedcontainers import SortedList
 
@@ -82,7 +82,7 @@ class AllocatorConfig:
     source: str = ""
 
     @classmethod
-    def parse(cls, conf: str | None) -> "AllocatorConfig":
+    def parse(cls, conf: str | None) -> AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string strictly (``CUDAAllocatorConfig::parseArgs``).
 
         Raises :class:`AllocatorConfigError` naming the offending key and the allowed forms for an
@@ -142,7 +142,7 @@ class AllocatorConfig:
         return cls(**kw)
 
     @classmethod
-    def from_snapshot_settings(cls, settings: dict | None) -> "AllocatorConfig":
+    def from_snapshot_settings(cls, settings: dict | None) -> AllocatorConfig:
         """Rebuild the config from a snapshot's ``allocator_settings`` (torch >= 2.3); ``None`` -> defaults."""
         if not settings:
             return cls()
@@ -232,7 +232,7 @@ class Block:
 
     __slots__ = ("stream", "pool", "address", "size", "requested_size", "allocated", "prev", "next", "gc_count_base")
 
-    def __init__(self, stream: int, size: int, pool: "BlockPool", address: int) -> None:
+    def __init__(self, stream: int, size: int, pool: BlockPool, address: int) -> None:
         self.stream = stream
         self.size = size
         self.requested_size = 0
@@ -252,7 +252,8 @@ class Block:
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else "free"
-        return f"Block(addr=0x{self.address:x}, size={self.size}, {state}, pool={'small' if self.pool.is_small else 'large'})"
+        pool = "small" if self.pool.is_small else "large"
+        return f"Block(addr=0x{self.address:x}, size={self.size}, {state}, pool={pool})"
 
 
 class BlockPool:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, Event, Trace, trace_from_snapshot,

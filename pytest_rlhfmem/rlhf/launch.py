@@ -150,8 +150,9 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
             prog = json.loads(prog_p.read_text()) if prog_p.exists() else {}
             why = (f"hung: no result after the {timeout:g} s timeout; the process group was killed" if timed_out
                    else f"exited without a result (launcher exit code {returncode})")
-            failures.append({"rank": r, "phase": prog.get("phase", "startup"), "error": "Hang" if timed_out else "Crash",
-                             "message": why, "memory_so_far": {"host_rss": prog.get("host_rss")}})
+            failures.append({"rank": r, "phase": prog.get("phase", "startup"),
+                             "error": "Hang" if timed_out else "Crash", "message": why,
+                             "memory_so_far": {"host_rss": prog.get("host_rss")}})
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in METRIC_NAMES} if ranks else {}

@@ -84,6 +84,6 @@ class Scenario:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Scenario":
+    def from_dict(cls, d: dict) -> Scenario:
         return cls(d["framework"], d["models"], d["strategy"], d.get("flush", "none"), int(d.get("world_size", 2)),
                    dict(d.get("overrides") or {}))

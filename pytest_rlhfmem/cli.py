@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two overlaid")
     pl.add_argument("results", nargs="+", metavar="RESULT.json")
-    pl.add_argument("--scenario", default=None, help="scenario id (when a session file holds several)")
+    pl.add_argument("--scenario", default=None, help="scenario id when a session file holds several; in a "
+                    "second file the scenario differing only in flush policy matches, to overlay policies")
     pl.add_argument("--labels", default=None, help="comma-separated legend names")
     pl.add_argument("-o", "--output", required=True, help="PNG to write")
     pl.set_defaults(func=_plot)

@@ -8,6 +8,7 @@ x axis is the allocator event index (events are what the allocator sees); y is G
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from .report import ReportInputError
@@ -27,7 +28,9 @@ def load_result(path: str | Path, scenario: str | None = None) -> dict:
     results = data.get("results") if isinstance(data, dict) and "results" in data else [data]
     results = [r for r in results if isinstance(r, dict) and "scenario_id" in r]
     if scenario:
-        results = [r for r in results if r["scenario_id"] == scenario]
+        exact = [r for r in results if r["scenario_id"] == scenario]
+        # in a second file, the scenario that differs only in its flush policy (to overlay policies)
+        results = exact or [r for r in results if _flushless(r["scenario_id"]) == _flushless(scenario)]
     if len(results) != 1:
         ids = [r["scenario_id"] for r in (data.get("results") or [])] if isinstance(data, dict) else []
         raise ReportInputError(f"{p}: {'no' if not results else 'several'} scenario results"
@@ -37,6 +40,10 @@ def load_result(path: str | Path, scenario: str | None = None) -> dict:
     if not any(rank.get("series") for rank in r.get("ranks", [])):
         raise ReportInputError(f"{p}: {r['scenario_id']} has no memory series (failed run?)")
     return r
+
+
+def _flushless(scenario_id: str) -> str:
+    return re.sub(r"/flush-[a-z-]+/", "/flush-*/", scenario_id)
 
 
 def _peak_rank(result: dict) -> dict:
@@ -51,7 +58,7 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 5.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(11, 6), dpi=110)
     styles = ("-", "--")
     colours = {"reserved": "#c0392b", "allocated": "#2471a3", "reserved_without_fragmentation": "#229954"}
     names = {"reserved": "reserved", "allocated": "allocated",
@@ -66,15 +73,17 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
             ax.plot(x, [v / GIB for v in s[key]], styles[i], color=colours[key], lw=1.6 if i == 0 else 1.3,
                     label=f"{names[key]} ({label})" if len(results) > 1 else names[key])
         k = max(range(len(x)), key=lambda j: s["reserved"][j])
-        ax.annotate(f"peak reserved {s['reserved'][k] / GIB:.3f} GiB", (x[k], s["reserved"][k] / GIB),
-                    xytext=(8, 8 + 14 * i), textcoords="offset points", color=colours["reserved"], fontsize=9,
-                    arrowprops={"arrowstyle": "->", "color": colours["reserved"]})
+        tag = f" ({label})" if len(results) > 1 else ""
+        ax.annotate(f"peak reserved {s['reserved'][k] / GIB:.3f} GiB{tag}", (x[k], s["reserved"][k] / GIB),
+                    xytext=(0.42, 0.80 - 0.07 * i), textcoords="axes fraction", color=colours["reserved"], fontsize=9,
+                    arrowprops={"arrowstyle": "->", "color": colours["reserved"], "lw": 0.8})
         ax.plot([x[k]], [s["reserved"][k] / GIB], "o", color=colours["reserved"])
         j = max(range(len(x)), key=lambda q: s["reserved_without_fragmentation"][q])
         rwf = s["reserved_without_fragmentation"][j] / GIB
         ax.plot([x[j]], [rwf], "s", color=colours["reserved_without_fragmentation"])
-        ax.annotate(f"fragmentation-free peak {rwf:.3f} GiB", (x[j], rwf), xytext=(8, -18 - 14 * i),
-                    textcoords="offset points", color=colours["reserved_without_fragmentation"], fontsize=9)
+        ax.annotate(f"fragmentation-free peak {rwf:.3f} GiB{tag}", (x[j], rwf), xytext=(0.42, 0.60 - 0.07 * i),
+                    textcoords="axes fraction", color=colours["reserved_without_fragmentation"], fontsize=9,
+                    arrowprops={"arrowstyle": "->", "color": colours["reserved_without_fragmentation"], "lw": 0.8})
     # phase bands of the first result
     starts = first_series.get("phase_starts") or []
     end = first_series["index"][-1] if first_series["index"] else 0
@@ -86,11 +95,11 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
     r0 = results[0][1]
     sim = " (simulated: CPU trace through the allocator model)" if r0.get("simulated") else " (CUDA)"
     ax.set_title(f"{r0['scenario_id']}{sim}" if len(results) == 1 else
-                 f"{results[0][0]} vs {results[1][0]}{sim}", fontsize=10)
+                 f"{_flushless(r0['scenario_id'])}: {results[0][0]} vs {results[1][0]}{sim}", fontsize=10)
     ax.set_xlabel("allocator events")
     ax.set_ylabel("GiB")
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="lower right", fontsize=8, ncol=2 if len(results) > 1 else 1)
+    ax.set_ylim(bottom=0, top=ymax * 1.08)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8, ncol=3, frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     p = Path(out)

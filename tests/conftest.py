@@ -1,10 +1,7 @@
 from pathlib import Path
 
 import pytest
-
-DATA = Path(__file__).parent / "data"
-SNAPSHOTS = DATA / "snapshots"
-SNAPSHOT_NAMES = ("eor_nn", "select_n_a", "cs336_ctx256_fwd")
+from helpers import SNAPSHOT_NAMES, SNAPSHOTS
 
 
 @pytest.fixture(params=SNAPSHOT_NAMES)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import SNAPSHOTS
+from helpers import SNAPSHOTS
 
 
 class RunsCode:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import SNAPSHOTS
+from helpers import SNAPSHOTS
 from pytest_rlhfmem.memory.capture import PhaseRecord, Recorder, cuda_phase_stats, cuda_trace_with_marks
 from pytest_rlhfmem.memory.trace import CAPTURE_CUDA, FLUSH, PHASE, load_snapshot
 from pytest_rlhfmem.rlhf import launch

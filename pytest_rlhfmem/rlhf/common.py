@@ -1,0 +1,80 @@
+"""What both recipes share besides the PPO maths: precision, LoRA through peft, prompts, the flush policy,
+and the fault-injection hooks that test the launcher."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..memory.capture import Recorder
+from .models import ModelPair
+from .scenario import Scenario
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_dtype(scenario: Scenario, device: str) -> torch.dtype:
+    """fp16 on CUDA, fp32 on CPU, unless the scenario says ``dtype``. Raises ``ValueError`` naming the
+    valid values."""
+    name = scenario.get("dtype") or ("fp16" if device == "cuda" else "fp32")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: valid: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def convert_to_lora(model: torch.nn.Module, pair: ModelPair, dim: int, only_optimize_lora: bool):
+    """LoRA of rank ``dim`` (scaling 1/dim, as DeepSpeed-Chat's ``lora_scaling=1``) on the decoder layers'
+    linear maps, through peft. Base weights of adapted layers are frozen; biases, embeddings and norms
+    stay trainable unless ``only_optimize_lora``."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=dim, lora_alpha=1, lora_dropout=0.0, target_modules=list(pair.lora_targets),
+                     fan_in_fan_out=pair.actor.family == "gpt2", bias="none")
+    model = get_peft_model(model, cfg)
+    if not only_optimize_lora:
+        for name, p in model.named_parameters():
+            if "lora_" not in name and not name.endswith("base_layer.weight"):
+                p.requires_grad_(True)
+    return model
+
+
+def random_prompts(pair: ModelPair, batch: int, prompt_len: int, device: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random token ids ``[batch, prompt_len]`` with the first sequence left-padded by a quarter, its
+    attention mask, and the pad id. Memory depends on shapes, not on text."""
+    vocab = pair.actor.config["vocab_size"]
+    pad_id = pair.actor.config.get("pad_token_id", 0) or 0
+    prompts = torch.randint(3, vocab, (batch, prompt_len), device=device)
+    mask = torch.ones_like(prompts)
+    mask[0, : prompt_len // 4] = 0
+    prompts[0, : prompt_len // 4] = pad_id
+    return prompts, mask, pad_id
+
+
+def maybe_flush(scenario: Scenario, rec: Recorder, phase: str) -> None:
+    """The flush policy: ``torch.cuda.empty_cache()`` (CUDA) or a FLUSH event (CPU) after ``phase``."""
+    if scenario.flush_after(phase):
+        rec.flush(f"after-{phase}")
+
+
+class FaultHooks:
+    """Test hooks for the launcher's failure handling: ``inject_crash`` / ``inject_hang`` name a phase
+    (optionally ``phase:rank``) at whose end this rank raises or sleeps forever."""
+
+    def __init__(self, scenario: Scenario, rank: int) -> None:
+        self.crash = self._parse(scenario.get("inject_crash"), rank)
+        self.hang = self._parse(scenario.get("inject_hang"), rank)
+
+    @staticmethod
+    def _parse(spec: str | None, rank: int) -> str | None:
+        if not spec:
+            return None
+        phase, _, r = spec.partition(":")
+        return phase if (not r or int(r) == rank) else None
+
+    def at(self, phase: str) -> None:
+        if self.crash == phase:
+            raise RuntimeError(f"injected crash in phase {phase} (inject_crash)")
+        if self.hang == phase:
+            while True:
+                time.sleep(3600)

@@ -1,6 +1,8 @@
 """Run-to-run spread of the simulated figures: each CPU-matrix scenario N times, min/max per metric.
 
     python benchmarks/spread.py --runs 3 --json out/spread.json
+    python benchmarks/spread.py --framework colossalchat --strategies none,grad-ckpt \
+        --flush none,after-inference,after-training,after-both     # in the colossalai tox environment
 
 Used to set the default budget tolerances (pytest_rlhfmem/budgets.py: DEFAULT_TOLERANCES).
 """
@@ -20,6 +22,7 @@ METRICS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "cuda_mal
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--framework", default="deepspeed-chat")
     ap.add_argument("--models", default="tiny-opt")
     ap.add_argument("--strategies", default="none,zero1,zero2,zero3,zero3-offload,grad-ckpt,all")
     ap.add_argument("--flush", default="none,after-inference")
@@ -27,7 +30,7 @@ def main() -> int:
     a = ap.parse_args()
     out = {}
     for strategy, flush in product(a.strategies.split(","), a.flush.split(",")):
-        s = Scenario("deepspeed-chat", a.models, strategy, flush, 2)
+        s = Scenario(a.framework, a.models, strategy, flush, 2)
         runs = [run_scenario(s, device="cpu") for _ in range(a.runs)]
         bad = [r for r in runs if r["status"] != "ok"]
         if bad:

@@ -361,9 +361,12 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
         work = tmp_path_factory.mktemp("rlhfmem-run")
-        data = run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
-                            timeout=_opt(request.config, "rlhfmem_timeout"),
-                            snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work)
+        try:
+            data = run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
+                                timeout=_opt(request.config, "rlhfmem_timeout"),
+                                snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work)
+        except ScenarioError as exc:
+            pytest.fail(str(exc), pytrace=False)
         result = IterationResult(data)
         rlhfmem_session.record(request.node.nodeid, result)
         if not result.ok:

@@ -11,7 +11,7 @@ import yaml
 from pytest_rlhfmem.rlhf.scenario import Scenario
 
 MATRICES = Path(__file__).with_name("matrices.yaml")
-_KEYS = ("description", "framework", "models", "strategies", "flush", "world_size", "marks", "overrides")
+_KEYS = ("description", "framework", "models", "strategies", "flush", "world_size", "marks", "overrides", "needs_cuda")
 
 
 def load_matrix(name: str) -> list:
@@ -34,7 +34,10 @@ def load_matrix(name: str) -> list:
     params = []
     for models, strategy, flush in product(m["models"], m["strategies"], m["flush"]):
         s = Scenario(m["framework"], models, strategy, flush, int(m["world_size"]), dict(m.get("overrides") or {}))
-        params.append(pytest.param(s, id=s.id, marks=marks))
+        cell = list(marks)
+        if strategy in (m.get("needs_cuda") or []):  # the framework runs this strategy only on CUDA
+            cell.append(pytest.mark.gpu(count=s.world_size))
+        params.append(pytest.param(s, id=s.id, marks=cell))
     return params
 
 

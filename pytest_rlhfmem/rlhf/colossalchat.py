@@ -86,6 +86,17 @@ def _optimizer(model: torch.nn.Module, kind: str):
     return HybridAdam(params, lr=1e-5)
 
 
+def _settle_comm(device: str) -> None:
+    """CPU only: wait until gloo's worker threads have finished DDP's parameter broadcast. Its flat bucket
+    is freed by whichever thread drops the last reference (main or gloo), which made the simulated init
+    peak vary by the size of the model's parameters between runs; a barrier makes it the main thread.
+    Allocates nothing the recipe would not; on CUDA (NCCL, streams) it is skipped."""
+    if device == "cpu":
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def _tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
     return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
@@ -121,9 +132,13 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         actor_booster = Booster(plugin=make_plugin(kind, dtype))
         critic_booster = Booster(plugin=make_plugin(kind, dtype))
         actor, actor_optim, *_ = actor_booster.boost(actor, _optimizer(actor, kind))
+        _settle_comm(device)
         critic, critic_optim, *_ = critic_booster.boost(critic, _optimizer(critic, kind))
+        _settle_comm(device)
         ref, *_ = actor_booster.boost(ref)
+        _settle_comm(device)
         reward, *_ = critic_booster.boost(reward)
+        _settle_comm(device)
         ref.eval()
         reward.eval()
         hooks.at("init")
@@ -135,7 +150,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     critic.eval()
     with torch.no_grad():
         with rec.phase("generate"):
-            seq = actor.unwrap().generate(
+            seq = actor.unwrap(unwrap_peft=False).generate(
                 prompts, attention_mask=prompt_mask, max_new_tokens=answer_len, min_new_tokens=answer_len,
                 do_sample=True, temperature=0.7, top_k=50, pad_token_id=pad_id, use_cache=True)
             hooks.at("generate")

@@ -13,14 +13,14 @@ the cache where it says.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from ..memory.capture import Recorder
 from . import ppo
-from .models import ModelPair, ModelSpec, build_base_model, build_causal_lm, get_pair
+from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
+from .models import ModelSpec, build_base_model, build_causal_lm, get_pair
 from .scenario import Scenario
 
 # strategy -> (actor/critic ZeRO stage, CPU offload, gradient checkpointing)
@@ -143,22 +143,6 @@ def create_critic_model(spec: ModelSpec, ds_config: dict | None, path: str | Non
     return RewardModel(base, spec.hidden_size()).to(dtype)
 
 
-def convert_to_lora(model: torch.nn.Module, pair: ModelPair, dim: int, only_optimize_lora: bool):
-    """LoRA of rank ``dim`` (scaling 1/dim, as DeepSpeed-Chat's ``lora_scaling=1``) on the decoder layers'
-    linear maps, through peft. Base weights of adapted layers are frozen; biases, embeddings and norms
-    stay trainable unless ``only_optimize_lora``."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=dim, lora_alpha=1, lora_dropout=0.0, target_modules=list(pair.lora_targets),
-                     fan_in_fan_out=pair.actor.family == "gpt2", bias="none")
-    model = get_peft_model(model, cfg)
-    if not only_optimize_lora:
-        for name, p in model.named_parameters():
-            if "lora_" not in name and not name.endswith("base_layer.weight"):
-                p.requires_grad_(True)
-    return model
-
-
 def make_optimizer(model: torch.nn.Module, offload: bool, device: str):
     """DeepSpeedCPUAdam under offload, FusedAdam on CUDA, torch AdamW on CPU; betas (0.9, 0.95)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -211,7 +195,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
 
     pair = get_pair(scenario.models)
     stage, offload, grad_ckpt = STRATEGY_SETTINGS[scenario.strategy]
-    dtype = _dtype(scenario, device)
+    dtype = resolve_dtype(scenario, device)
     batch = scenario.get("batch_size", 2)
     prompt_len = scenario.get("prompt_len", pair.prompt_len)
     answer_len = scenario.get("answer_len", pair.answer_len)
@@ -223,7 +207,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets)
     eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
-    hooks = _FaultHooks(scenario, rank)
+    hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
         # actor (rlhf_engine.py: _init_actor)
@@ -251,12 +235,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         rec.host_resident(offloaded_tensors(reward_engine, offload and reward_stage == 3))
         hooks.at("init")
 
-    vocab = pair.actor.config["vocab_size"]
-    prompts = torch.randint(3, vocab, (batch, prompt_len), device=device)
-    prompt_mask = torch.ones_like(prompts)
-    prompt_mask[0, : prompt_len // 4] = 0  # left padding, as DeepSpeed-Chat pads prompts
-    pad_id = pair.actor.config.get("pad_token_id", 0) or 0
-    prompts[0, : prompt_len // 4] = pad_id
+    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # left-padded
 
     # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
     actor_engine.eval()
@@ -266,30 +245,30 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
                 prompts, attention_mask=prompt_mask, max_new_tokens=answer_len, min_new_tokens=answer_len,
                 do_sample=True, pad_token_id=pad_id, synced_gpus=stage == 3, use_cache=True)
         hooks.at("generate")
-    _maybe_flush(scenario, rec, "generate")
+    maybe_flush(scenario, rec, "generate")
     attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
                                                         device=device)], dim=1)
     with torch.no_grad():
         with rec.phase("infer_actor"):
             output = actor_engine(seq, attention_mask=attention_mask)
             hooks.at("infer_actor")
-        _maybe_flush(scenario, rec, "infer_actor")
+        maybe_flush(scenario, rec, "infer_actor")
         with rec.phase("infer_reference"):
             output_ref = ref_engine(seq, attention_mask=attention_mask)
             hooks.at("infer_reference")
-        _maybe_flush(scenario, rec, "infer_reference")
+        maybe_flush(scenario, rec, "infer_reference")
         with rec.phase("infer_reward"):
             reward_score = reward_engine.module.forward_value(seq, attention_mask,
                                                               prompt_length=prompt_len)["chosen_end_scores"]
             hooks.at("infer_reward")
-        _maybe_flush(scenario, rec, "infer_reward")
+        maybe_flush(scenario, rec, "infer_reward")
         with rec.phase("infer_critic"):
             values = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
             log_probs = ppo.gather_log_probs(output.logits[:, :-1, :], seq[:, 1:])
             ref_log_probs = ppo.gather_log_probs(output_ref.logits[:, :-1, :], seq[:, 1:])
             del output, output_ref
             hooks.at("infer_critic")
-        _maybe_flush(scenario, rec, "infer_critic")
+        maybe_flush(scenario, rec, "infer_critic")
 
     # ---- train_rlhf (ppo_trainer.py) ----------------------------------------------------------
     actor_engine.train()
@@ -311,7 +290,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         del actor_logits, actor_log_prob
         rec.host_resident(offloaded_tensors(actor_engine, offload))  # optimizer states appear at step 1
         hooks.at("train_actor")
-    _maybe_flush(scenario, rec, "train_actor")
+    maybe_flush(scenario, rec, "train_actor")
     with rec.phase("train_critic"):
         value = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
         critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
@@ -320,7 +299,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         del value
         rec.host_resident(offloaded_tensors(critic_engine, offload))
         hooks.at("train_critic")
-    _maybe_flush(scenario, rec, "train_critic")
+    maybe_flush(scenario, rec, "train_critic")
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()
     return {
@@ -332,44 +311,3 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         "batch_size": batch, "prompt_len": prompt_len, "answer_len": answer_len,
         "bucket_elements": buckets, "sequence_shape": list(seq.shape),
     }
-
-
-def _dtype(scenario: Scenario, device: str) -> torch.dtype:
-    name = scenario.get("dtype") or ("fp16" if device == "cuda" else "fp32")
-    table = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    if name not in table:
-        raise ValueError(f"dtype {name!r}: valid: {', '.join(table)}")
-    return table[name]
-
-
-def _maybe_flush(scenario: Scenario, rec: Recorder, phase: str) -> None:
-    if scenario.flush_after(phase):
-        rec.flush(f"after-{phase}")
-
-
-class _FaultHooks:
-    """Test hooks for the launcher's failure handling: ``inject_crash`` / ``inject_hang`` name a phase
-    (optionally ``phase:rank``) at whose end this rank raises or sleeps forever."""
-
-    def __init__(self, scenario: Scenario, rank: int) -> None:
-        self.crash = self._parse(scenario.get("inject_crash"), rank)
-        self.hang = self._parse(scenario.get("inject_hang"), rank)
-
-    @staticmethod
-    def _parse(spec: str | None, rank: int) -> str | None:
-        if not spec:
-            return None
-        phase, _, r = spec.partition(":")
-        return phase if (not r or int(r) == rank) else None
-
-    def at(self, phase: str) -> None:
-        if self.crash == phase:
-            raise RuntimeError(f"injected crash in phase {phase} (inject_crash)")
-        if self.hang == phase:
-            import time
-
-            while True:
-                time.sleep(3600)
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

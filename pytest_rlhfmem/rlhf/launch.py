@@ -34,7 +34,7 @@ def resolve_device(device: str, world_size: int) -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
 
 
-def prebuild_ops(device: str, offload: bool) -> None:
+def prebuild_ops(device: str, offload: bool, framework: str = "deepspeed-chat") -> None:
     """Build DeepSpeed's JIT ops (and, on CPU, the allocation recorder) once, under a file lock, before
     ranks start: two ranks building the same op at once race. Cached in torch's extension directory;
     a warm call takes about a second."""
@@ -43,13 +43,17 @@ def prebuild_ops(device: str, offload: bool) -> None:
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
     builders = (["ShareMemCommBuilder"] if device == "cpu" else []) + (["CPUAdamBuilder"] if offload else [])
+    if framework != "deepspeed-chat":
+        builders = []
     if not builders and device != "cpu":
         return
-    code = ("from deepspeed.accelerator import get_accelerator\n"
-            f"for b in {builders!r}:\n"
-            "    ob = get_accelerator().create_op_builder(b)\n"
-            "    ob = None if type(ob).__name__ == \"NotImplementedBuilder\" else ob\n"
-            "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
+    code = ""
+    if builders:
+        code = ("from deepspeed.accelerator import get_accelerator\n"
+                f"for b in {builders!r}:\n"
+                "    ob = get_accelerator().create_op_builder(b)\n"
+                "    ob = None if type(ob).__name__ == \"NotImplementedBuilder\" else ob\n"
+                "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
     if device == "cpu":
         code += "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nload_recorder()\n"
     with FileLock(str(cache / "ds-ops.lock")):
@@ -76,16 +80,20 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
                  capture: bool = True) -> dict:
     """Run ``scenario`` once; returns the scenario result (see :func:`aggregate`). Never raises for a
     failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why.
+    Raises :class:`ScenarioError` before launching for a scenario this device cannot run.
     ``capture=False`` runs the bare iteration (timed, nothing recorded): the capture-overhead baseline."""
+    from .colossalchat import CPU_STRATEGIES
     from .deepspeed_chat import STRATEGY_SETTINGS
 
     device = resolve_device(device, scenario.world_size)
+    if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
+        raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
+                            f"and Gemini plugins assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-"))
     work.mkdir(parents=True, exist_ok=True)
     offload = STRATEGY_SETTINGS.get(scenario.strategy, (0, False, False))[1]
     t0 = time.perf_counter()
-    if scenario.framework == "deepspeed-chat":
-        prebuild_ops(device, offload)
+    prebuild_ops(device, offload and scenario.framework == "deepspeed-chat", scenario.framework)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={scenario.world_size}", "--max-restarts=0", "--monitor-interval=0.5",
            "-m", "pytest_rlhfmem.rlhf.worker", "--scenario", json.dumps(scenario.to_dict()),
@@ -143,6 +151,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
             ranks.append(res)
             if res["error"]:
                 failures.append({"rank": r, "phase": res["error"]["phase"], "error": res["error"]["type"],
+                                 "time": res["error"].get("time"),
                                  "message": res["error"]["message"],
                                  "memory_so_far": {k: res["total"][k] for k in ("peak_reserved", "peak_allocated")},
                                  "simulated": res["simulated"]})
@@ -153,6 +162,9 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
             failures.append({"rank": r, "phase": prog.get("phase", "startup"),
                              "error": "Hang" if timed_out else "Crash", "message": why,
                              "memory_so_far": {"host_rss": prog.get("host_rss")}})
+    # The root cause first: the earliest exception; ranks that died without a result (killed by torchrun
+    # after another rank failed, or hung) last. A peer's "connection reset" comes after the cause.
+    failures.sort(key=lambda f: (f.get("time") is None, f.get("time") or 0.0, f["rank"]))
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in METRIC_NAMES} if ranks else {}

@@ -137,14 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     on_phase("startup")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo")
-    rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase)
+    backend = "nccl" if args.device == "cuda" else "gloo"
     if scenario.framework == "deepspeed-chat":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend)
         from .deepspeed_chat import run_iteration
     else:
+        import colossalai
+
+        colossalai.launch_from_torch(backend=backend, seed=scenario.get("seed", 1234), verbose=False)
+        import colossalai.booster  # noqa: F401 - imported before the iteration's clock starts
         from .colossalchat import run_iteration  # type: ignore[no-redef]
+    rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase)
     error = None
     info = None
     t0 = time.perf_counter()
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         info = run_iteration(scenario, rec, args.device, rank, world_size)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
         is_oom = "OutOfMemoryError" in type(exc).__name__ or "out of memory" in str(exc).lower()
-        error = {"phase": rec.phases[-1].name if rec.phases else "startup",
+        error = {"phase": rec.phases[-1].name if rec.phases else "startup", "time": time.time(),
                  "type": "OOM" if is_oom else type(exc).__name__, "message": str(exc)[:2000],
                  "traceback": traceback.format_exc()[-4000:]}
     wall = time.perf_counter() - t0

@@ -64,6 +64,7 @@ class Recorder:
     max_entries: int = 2_000_000
     phases: list[PhaseRecord] = field(default_factory=list)
     host_bytes_annotated: int = 0
+    frees_on_other_threads: tuple = (0, 0, [])  # (count, bytes, largest): frees done by other threads
     _marks: list[tuple[str, object]] = field(default_factory=list)
     _prof: object = None
     _ext: object = None
@@ -177,7 +178,8 @@ class Recorder:
             rows = self._ext.stop().tolist()
             self._ext = None
             items = [(t, i, 1 if kind == 2 else 0, ptr, -size if kind == 1 else size)
-                     for i, (t, ptr, size, kind) in enumerate(rows)]
+                     for i, (t, ptr, size, kind, _main) in enumerate(rows)]
+            self.frees_on_other_threads = self._foreign_frees(rows)
             return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
         from torch._C._profiler import _EventType
 
@@ -200,6 +202,20 @@ class Recorder:
         items.sort()
         self._prof = None
         return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
+
+    def _foreign_frees(self, rows: list) -> tuple[int, int, list]:
+        """Frees run by other threads (gloo's, DeepSpeed's): count, bytes, and the five largest with
+        their phase. Their timing is the run-to-run nondeterminism of a CPU trace."""
+        phase, out = "startup", []
+        for _t, ptr, size, kind, main in rows:
+            if kind == 2:
+                mkind, payload = self._marks[ptr]
+                if mkind == PHASE:
+                    phase = str(payload)
+            elif kind == 1 and not main:
+                out.append((size, phase))
+        out.sort(reverse=True)
+        return len(out), sum(s for s, _ in out), [{"bytes": s, "phase": p} for s, p in out[:5]]
 
     def cpu_events(self, items: list[tuple[int, int, int, int, int]]) -> list[Event]:
         """Turn sorted profiler items into device events, applying the placement annotations."""

@@ -101,6 +101,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "requested_at_phase_end": result.requested_at_phase_end,
         "events": sum(1 for e in trace.events if e.action in ("alloc", "free")),
         "host_bytes_annotated": rec.host_bytes_annotated,
+        "frees_on_other_threads": dict(zip(("count", "bytes", "largest"), rec.frees_on_other_threads)),
         "recipe": recipe_info or {},
         "series": series,
     }

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -21,14 +22,18 @@ struct Entry {
   int64_t ptr;   // data pointer, or the marker id for kind 2
   int64_t size;  // requested bytes
   int64_t kind;  // 0 alloc, 1 free, 2 marker
+  int64_t thread;  // 1 if the event ran on the thread that called start(), else 0
 };
 
 std::mutex mu;
 std::vector<Entry> entries;
 std::unordered_map<void*, int64_t> live_sizes;
 std::atomic<bool> recording{false};
+std::thread::id main_thread;
 c10::Allocator* base = nullptr;
 c10::DeleterFnPtr base_deleter = nullptr;
+
+int64_t on_main() { return std::this_thread::get_id() == main_thread ? 1 : 0; }
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -40,7 +45,7 @@ void record_and_delete(void* ptr) {
     std::lock_guard<std::mutex> g(mu);
     auto it = live_sizes.find(ptr);
     if (it != live_sizes.end()) {
-      if (recording.load()) entries.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), it->second, 1});
+      if (recording.load()) entries.push_back({now_ns(), reinterpret_cast<int64_t>(ptr), it->second, 1, on_main()});
       live_sizes.erase(it);
     }
   }
@@ -55,7 +60,7 @@ struct RecordingCPUAllocator final : public c10::Allocator {
     if (data != nullptr && n > 0) {
       std::lock_guard<std::mutex> g(mu);
       live_sizes[data] = static_cast<int64_t>(n);
-      if (recording.load()) entries.push_back({now_ns(), reinterpret_cast<int64_t>(data), static_cast<int64_t>(n), 0});
+      if (recording.load()) entries.push_back({now_ns(), reinterpret_cast<int64_t>(data), static_cast<int64_t>(n), 0, on_main()});
     }
     return {data, ctx, &record_and_delete, c10::Device(c10::DeviceType::CPU)};
   }
@@ -83,15 +88,16 @@ bool install() {
 void start() {
   std::lock_guard<std::mutex> g(mu);
   entries.clear();
+  main_thread = std::this_thread::get_id();
   recording.store(true);
 }
 
 void mark(int64_t id) {
   std::lock_guard<std::mutex> g(mu);
-  entries.push_back({now_ns(), id, 0, 2});
+  entries.push_back({now_ns(), id, 0, 2, on_main()});
 }
 
-// Stops recording and returns the entries as a [N, 4] int64 tensor (time_ns, ptr, size, kind).
+// Stops recording and returns the entries as a [N, 5] int64 tensor (time_ns, ptr, size, kind, on_main).
 torch::Tensor stop() {
   std::vector<Entry> out;
   {
@@ -99,7 +105,7 @@ torch::Tensor stop() {
     recording.store(false);
     out.swap(entries);
   }
-  auto t = torch::empty({static_cast<int64_t>(out.size()), 4}, torch::kInt64);
+  auto t = torch::empty({static_cast<int64_t>(out.size()), 5}, torch::kInt64);
   if (!out.empty()) std::memcpy(t.data_ptr<int64_t>(), out.data(), out.size() * sizeof(Entry));
   return t;
 }
@@ -110,5 +116,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("install", &install, "wrap the CPU allocator; False if it cannot be wrapped");
   m.def("start", &start, "start recording");
   m.def("mark", &mark, "append a marker");
-  m.def("stop", &stop, "stop and return entries [N, 4] int64: time_ns, ptr, size, kind");
+  m.def("stop", &stop, "stop and return entries [N, 5] int64: time_ns, ptr, size, kind, on_main");
 }

@@ -4,6 +4,7 @@ A file::
 
     schema: 1
     profile: cpu
+    notes: why the tolerances are what they are  # optional free text, kept by updates (comments are not)
     defaults:                      # optional; built-in defaults below apply otherwise
       tolerances:
         peak_reserved: {rel: 0.01, abs: 2 MiB}
@@ -67,7 +68,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "alloc_retries": Tolerance(0.0, 0),
 }
 
-_TOP_KEYS = ("schema", "profile", "defaults", "entries")
+_TOP_KEYS = ("schema", "profile", "notes", "defaults", "entries")
 _DEFAULTS_KEYS = ("tolerances",)
 _ENTRY_KEYS = ("capture", "device", "world_size", "peak_phase", "versions", "metrics", "tolerances")
 _TOL_KEYS = ("rel", "abs")
@@ -148,6 +149,8 @@ def load_budget_file(path: str | Path) -> BudgetFile:
     if not isinstance(raw, dict):
         raise _err(p, "top level", "must be a mapping with keys " + ", ".join(_TOP_KEYS))
     _unknown(p, "top level", raw, _TOP_KEYS)
+    if "notes" in raw and not isinstance(raw["notes"], str):
+        raise _err(p, "notes", "must be text")
     if raw.get("schema", SCHEMA) != SCHEMA:
         raise _err(p, "schema", f"unsupported schema {raw.get('schema')!r}; this version reads {SCHEMA}")
     defaults = dict(DEFAULT_TOLERANCES)

@@ -241,8 +241,7 @@ def format_table(rows: list[Row]) -> str:
         d = r.delta
         delta = "-" if d is None else (("+" if d > 0 else "") + r.fmt(d) +
                                        (f" ({r.delta_pct:+.1f}%)" if r.delta_pct is not None else ""))
-        tol = f"{r.tol_text()}" if hasattr(r, "tol_text") else _tol_text(r)
-        lines.append((r.metric, r.fmt(r.budget), r.fmt(r.measured), delta, tol,
+        lines.append((r.metric, r.fmt(r.budget), r.fmt(r.measured), delta, _tol_text(r),
                       "OVER BUDGET" if r.status == "over" else ""))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)

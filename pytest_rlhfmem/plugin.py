@@ -129,6 +129,7 @@ class RlhfmemSession:
         self.produced: dict[str, set[str]] = {}  # budget file -> entry ids produced this session
         self.file_modules: dict[str, set[str]] = {}  # budget file -> test module node ids checking it
         self.update_summaries: list[B.UpdateSummary] = []
+        self.update_errors: list[str] = []
         self.deselected = False
         self.unfinished_modules: set[str] = set()
         self._devices: list[CudaDevice] | None = None
@@ -185,7 +186,7 @@ class RlhfmemSession:
     def pytest_runtest_makereport(self, item: pytest.Item, call):  # noqa: ANN001
         outcome = yield
         rep = outcome.get_result()
-        if rep.when == "call" and not rep.passed or rep.skipped:
+        if rep.failed or rep.skipped:  # in setup, call or teardown: the module did not run whole
             self.unfinished_modules.add(item.nodeid.split("::")[0])
 
     # -- results and budgets ----------------------------------------------------------------------
@@ -241,7 +242,7 @@ class RlhfmemSession:
             try:
                 self.update_summaries.append(B.update_budget_file(f, entries, self.profiles[f]))
             except B.BudgetError as exc:
-                self.update_errors = getattr(self, "update_errors", []) + [str(exc)]
+                self.update_errors.append(str(exc))
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
         out = _opt(self.config, "rlhfmem_json")
         if out:
@@ -294,7 +295,7 @@ class RlhfmemSession:
         for s in self.update_summaries:
             tr.write_line(f"rlhfmem: {s.path}: {len(s.updated)} updated, {len(s.new)} new, "
                           f"{len(s.unchanged)} unchanged")
-        for err in getattr(self, "update_errors", []):
+        for err in self.update_errors:
             tr.write_line(f"rlhfmem: baseline NOT written: {err}", red=True)
         for f, stale in self.stale_entries().items():
             tr.write_line(f"rlhfmem: {f}: {len(stale)} stale entries (no collected test produces them): "
@@ -400,8 +401,7 @@ class MemoryBudget:
         nodeid = self.request.node.nodeid
         eid = result.scenario_id
         self.session.note_produced(path, eid, nodeid)
-        if self.session.config.getoption("rlhfmem_update_baselines") or self.session.config.getini(
-                "rlhfmem_update_baselines"):
+        if _opt(self.session.config, "rlhfmem_update_baselines"):
             self.session.queue_update(path, eid, B.entry_from_result(result.data), self.session.profile_for(result))
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "updated"))
             return

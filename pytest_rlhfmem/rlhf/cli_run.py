@@ -50,9 +50,9 @@ def _run(args: argparse.Namespace) -> int:
         scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides)
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
+        result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
-    result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
              if result["simulated"] else "measured: CUDA caching allocator")
     print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")

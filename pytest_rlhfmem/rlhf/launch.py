@@ -85,6 +85,7 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     from .colossalchat import CPU_STRATEGIES
     from .deepspeed_chat import STRATEGY_SETTINGS
 
+    _check_framework_installed(scenario.framework)
     device = resolve_device(device, scenario.world_size)
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
@@ -114,6 +115,22 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
             _terminate(proc, work)
     _kill_leftover_workers(work)
     return aggregate(scenario, device, work, proc.returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+
+
+FRAMEWORK_PACKAGES = {
+    "deepspeed-chat": ("deepspeed", "pip install 'pytest-rlhfmem[deepspeed]', or tox -e py"),
+    "colossalchat": ("colossalai",
+                     "pip install 'pytest-rlhfmem[colossalai]' in its own environment, or tox -e colossalai"),
+}
+
+
+def _check_framework_installed(framework: str) -> None:
+    """Raise :class:`ScenarioError` naming the install command when the framework's package is missing."""
+    import importlib.util
+
+    package, how = FRAMEWORK_PACKAGES[framework]
+    if importlib.util.find_spec(package) is None:
+        raise ScenarioError(f"framework {framework!r} needs the {package} package, which this environment lacks: {how}")
 
 
 def _terminate(proc: subprocess.Popen, work: Path) -> None:

@@ -10,11 +10,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .errors import CliError
 from .units import format_size
-
-
-class CliError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
 
 
 def _replay(args: argparse.Namespace) -> int:

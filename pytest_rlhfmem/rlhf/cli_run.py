@@ -41,7 +41,7 @@ def phase_table(result: dict) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..cli import CliError
+    from ..errors import CliError
     from .launch import run_scenario
     from .scenario import Scenario, ScenarioError
 

@@ -135,8 +135,8 @@ def test_hung_rank_is_killed_at_the_timeout_and_nothing_is_left(pytester):
 def test_hang(ppo_iteration):
     ppo_iteration(models="tiny-opt", strategy="zero2", world_size=2, device="cpu", inject_hang="infer_actor:0")
 """)
-    r = pytester.runpytest_subprocess("--rlhfmem-timeout=30", "--durations=1")
+    r = pytester.runpytest_subprocess("--rlhfmem-timeout=45", "--durations=1")
     r.assert_outcomes(failed=1)
-    r.stdout.fnmatch_lines(["*rank 0 failed in phase 'infer_actor': Hang: hung: no result after the 30 s timeout*"])
+    r.stdout.fnmatch_lines(["*rank 0 failed in phase 'infer_actor': Hang: hung: no result after the 45 s timeout*"])
     left = subprocess.run(["pgrep", "-f", "inject_hang"], capture_output=True, text=True).stdout.split()
     assert left == [], f"processes left behind: {left}"

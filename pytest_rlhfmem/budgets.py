@@ -56,12 +56,13 @@ class Tolerance:
         return budget + max(self.abs, int(self.rel * budget))
 
 
-# Measured spread (benchmarks/spread.py, 3 runs of each CPU-matrix scenario, tiny OPT, 2 ranks): peaks
-# and fragmentation vary by at most one 512-byte block (communication threads free at slightly different
-# moments); the cudaMalloc count of ZeRO-3 runs with flushing varies by 2. A GPU's own nondeterminism
-# (the reference reports ~0.5% of the peak for ZeRO-3) is covered by the relative parts.
+# Measured spread (benchmarks/spread.py, 3 runs of each CPU-matrix scenario, and the sessions since; tiny
+# OPT, 2 ranks): peak allocated varies by up to 0.9 MiB, ZeRO-3 peak reserved by one 2 MiB segment between
+# sessions (so 4 MiB = two segments of margin), the cudaMalloc count of ZeRO-3 runs with flushing by 2. A
+# GPU's own nondeterminism (the reference reports ~0.5% of the peak for ZeRO-3) is covered by the
+# relative parts.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "peak_reserved": Tolerance(0.01, 2 * 2**20),
+    "peak_reserved": Tolerance(0.01, 4 * 2**20),
     "peak_allocated": Tolerance(0.01, 2 * 2**20),
     "fragmentation_at_peak": Tolerance(0.05, 4 * 2**20),
     "cuda_malloc_count": Tolerance(0.1, 3),

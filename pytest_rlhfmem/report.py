@@ -167,8 +167,8 @@ class Diff:
 def diff(base: Side, head: Side, threshold: float = 0.05) -> Diff:
     """Compare every budgeted metric of every scenario. A change beyond ``threshold`` (relative) and beyond
     the metric's run-to-run noise (the default budget tolerance's absolute part: 4 MiB for peak reserved,
-    2 MiB for peak allocated, 3 for cudaMalloc counts) is a regression (higher) or an improvement (lower); a scenario only in head is new,
-    only in base missing."""
+    2 MiB for peak allocated, 3 for cudaMalloc counts) is a regression (higher) or an improvement (lower);
+    a scenario only in head is new, only in base missing."""
     rows: list[DiffRow] = []
     for sid in sorted(set(base.scenarios) | set(head.scenarios)):
         b, h = base.scenarios.get(sid), head.scenarios.get(sid)

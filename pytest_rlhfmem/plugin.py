@@ -250,7 +250,8 @@ class RlhfmemSession:
             Path(out).write_text(json.dumps(self.session_json(), indent=1))
         from . import report
 
-        report.write_session_outputs(self, self.config)
+        report.write_session_outputs(self, _opt(self.config, "rlhfmem_report"),
+                                     _opt(self.config, "rlhfmem_benchmark_json"))
 
     def session_json(self) -> dict:
         return {"schema": 1, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -296,15 +296,12 @@ def session_diff(session: Any) -> Diff | None:
     return diff(base, head)
 
 
-def write_session_outputs(session: Any, config: Any) -> None:
-    """Files the plugin writes at the end of a session, as its options ask."""
-    from .plugin import _opt
-
-    bench = _opt(config, "rlhfmem_benchmark_json")
+def write_session_outputs(session: Any, report: str | None, bench: str | None) -> None:
+    """The files a session writes at its end: the diff report (``report``, markdown plus a JSON twin, also
+    appended to ``$GITHUB_STEP_SUMMARY`` when set) and github-action-benchmark JSON (``bench``)."""
     if bench:
         Path(bench).parent.mkdir(parents=True, exist_ok=True)
         Path(bench).write_text(json.dumps(benchmark_json(session.results), indent=1))
-    report = _opt(config, "rlhfmem_report")
     summary_path = os.environ.get("GITHUB_STEP_SUMMARY")
     if not (report or summary_path):
         return

@@ -69,7 +69,6 @@ class Recorder:
     _prof: object = None
     _ext: object = None
     backend: str = ""
-    _trace_start_us: int = 0
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -100,7 +99,6 @@ class Recorder:
                 self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 self._prof.__enter__()
                 self.backend = "torch.profiler profile_memory (main thread only)"
-        self._trace_start_us = time.time_ns() // 1000
 
     def stop(self) -> Trace:
         """Stop recording and return the device trace (phases, flushes, placement applied)."""

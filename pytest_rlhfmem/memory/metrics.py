@@ -23,8 +23,6 @@ METRIC_NAMES = (
     "peak_reserved", "peak_allocated", "fragmentation_at_peak", "max_fragmentation",
     "inactive_split_at_peak", "cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms",
 )
-SIZE_METRICS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "max_fragmentation",
-                "inactive_split_at_peak")
 
 
 @dataclass

@@ -112,7 +112,7 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _terminate(proc, work)
+            _terminate(proc)
     _kill_leftover_workers(work)
     return aggregate(scenario, device, work, proc.returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
 
@@ -133,7 +133,7 @@ def _check_framework_installed(framework: str) -> None:
         raise ScenarioError(f"framework {framework!r} needs the {package} package, which this environment lacks: {how}")
 
 
-def _terminate(proc: subprocess.Popen, work: Path) -> None:
+def _terminate(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to its workers' process groups
         proc.wait(timeout=15)

@@ -4,7 +4,7 @@
 
 Two workloads: a 1,000,000-event synthetic trace (a training-like mix: many small activations freed in
 LIFO order, some large buffers, occasional empty_cache) and the three real GPU snapshots of
-tests/data/snapshots. Best of --repeat runs; metrics series on (the default replay).
+../shared/snapshots (or $RLHFMEM_SNAPSHOTS_DIR; they are never committed here). Best of --repeat runs; metrics series on (the default replay).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from pytest_rlhfmem.memory.replay import replay
+from pytest_rlhfmem.shared_snapshots import snapshot_path
 from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, FREE, Event, Trace, load_snapshot, trace_from_snapshot
 
-SNAPSHOTS = Path(__file__).resolve().parent.parent / "tests" / "data" / "snapshots"
 
 
 def synthetic_trace(n_events: int, seed: int = 0) -> Trace:
@@ -62,7 +62,11 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     out = {"synthetic": {"events": a.events, "events_per_s": round(measure(synthetic_trace(a.events), a.repeat))}}
-    for p in sorted(SNAPSHOTS.glob("*.pickle")):
+    for name in ("eor_nn", "select_n_a", "cs336_ctx256_fwd"):
+        p = snapshot_path(name)
+        if not p.is_file():
+            print(f"{name}: skipped, {p} not found")
+            continue
         tr = trace_from_snapshot(load_snapshot(p))
         out[p.stem] = {"events": sum(1 for e in tr.events if e.action in (ALLOC, FREE)),
                        "events_per_s": round(measure(tr, a.repeat * 3))}

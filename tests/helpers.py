@@ -2,6 +2,19 @@
 
 from pathlib import Path
 
+import pytest
+
+from pytest_rlhfmem.shared_snapshots import missing_reason, snapshot_path
+
 DATA = Path(__file__).parent / "data"
-SNAPSHOTS = DATA / "snapshots"
 SNAPSHOT_NAMES = ("eor_nn", "select_n_a", "cs336_ctx256_fwd")
+
+
+def shared_snapshot(name: str) -> Path:
+    """The real snapshot ``name`` from ../shared/snapshots (or $RLHFMEM_SNAPSHOTS_DIR); skips the calling
+    test, naming the missing path, when it is not there."""
+    path = snapshot_path(name)
+    reason = missing_reason(path)
+    if reason:
+        pytest.skip(reason)
+    return path

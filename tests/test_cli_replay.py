@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import SNAPSHOTS
+from helpers import shared_snapshot
 
 
 class RunsCode:
@@ -24,7 +24,7 @@ def rlhfmem(*args):
 
 
 def test_replay_json_reports_full_agreement():
-    p = rlhfmem("replay", str(SNAPSHOTS / "cs336_ctx256_fwd.pickle"), "--json")
+    p = rlhfmem("replay", str(shared_snapshot("cs336_ctx256_fwd")), "--json")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert set(out) >= {"recorded", "simulated", "agreement"}
@@ -35,14 +35,14 @@ def test_replay_json_reports_full_agreement():
 
 
 def test_replay_table_and_what_if_alloc_conf():
-    p = rlhfmem("replay", str(SNAPSHOTS / "select_n_a.pickle"))
+    p = rlhfmem("replay", str(shared_snapshot("select_n_a")))
     assert p.returncode == 0 and "segment_alloc sizes matching in order: 13/13" in p.stdout
-    q = rlhfmem("replay", str(SNAPSHOTS / "select_n_a.pickle"), "--free-running", "--json",
+    q = rlhfmem("replay", str(shared_snapshot("select_n_a")), "--free-running", "--json",
                 "--alloc-conf", "roundup_power2_divisions:4")
     assert q.returncode == 0
     # Power-of-2 rounding changes block sizes, so the model must answer differently from the recording.
     assert json.loads(q.stdout)["simulated"]["segment_allocs"] != json.loads(
-        rlhfmem("replay", str(SNAPSHOTS / "select_n_a.pickle"), "--json").stdout)["recorded"]["segment_allocs"]
+        rlhfmem("replay", str(shared_snapshot("select_n_a")), "--json").stdout)["recorded"]["segment_allocs"]
 
 
 def test_trace_without_segment_events_says_agreement_unavailable(tmp_path):
@@ -66,8 +66,9 @@ def test_trace_without_segment_events_says_agreement_unavailable(tmp_path):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, content, args, fragment):
-    path = SNAPSHOTS / "eor_nn.pickle"
-    if content is not None:
+    if content is None:
+        path = shared_snapshot("eor_nn")
+    else:
         path = tmp_path / "bad.pickle"
         path.write_bytes(content)
     p = rlhfmem("replay", str(path), *args)

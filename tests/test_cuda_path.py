@@ -2,7 +2,7 @@
 
 import pytest
 
-from helpers import SNAPSHOTS
+from helpers import shared_snapshot
 from pytest_rlhfmem.memory.capture import PhaseRecord, Recorder, cuda_phase_stats, cuda_trace_with_marks
 from pytest_rlhfmem.memory.trace import CAPTURE_CUDA, FLUSH, PHASE, load_snapshot
 from pytest_rlhfmem.rlhf import launch
@@ -18,7 +18,7 @@ def _marks(snap):
 
 
 def test_phase_marks_merge_into_the_recorded_trace_by_time():
-    snap = load_snapshot(SNAPSHOTS / "cs336_ctx256_fwd.pickle")
+    snap = load_snapshot(shared_snapshot("cs336_ctx256_fwd"))
     trace = cuda_trace_with_marks(snap, _marks(snap))
     assert trace.capture == CAPTURE_CUDA
     names = [e.name for e in trace.events if e.action in (PHASE, FLUSH)]
@@ -30,7 +30,7 @@ def test_phase_marks_merge_into_the_recorded_trace_by_time():
 def test_cuda_rank_result_uses_the_real_allocator_figures():
     from pytest_rlhfmem.rlhf.worker import rank_result
 
-    snap = load_snapshot(SNAPSHOTS / "cs336_ctx256_fwd.pickle")
+    snap = load_snapshot(shared_snapshot("cs336_ctx256_fwd"))
     trace = cuda_trace_with_marks(snap, _marks(snap))
     rec = Recorder("cuda")
     stats = {"reserved_bytes.all.peak": 30 * 2**30, "allocated_bytes.all.peak": 25 * 2**30, "num_device_alloc": 500,

@@ -1,8 +1,9 @@
-"""Real GPU snapshots (tests/data/snapshots/PROVENANCE.md) replayed through the model."""
+"""Real GPU snapshots (../shared/snapshots; provenance in its README) replayed through the model."""
 
 import pickle
 
 import pytest
+from helpers import shared_snapshot
 
 from pytest_rlhfmem.memory.replay import agreement, recorded_summary, replay
 from pytest_rlhfmem.memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
@@ -45,15 +46,13 @@ def test_anchored_replay_ends_with_the_recorded_segments(snapshot_path):
 
 
 def test_pre_existing_segments_are_rebuilt():
-    trace = trace_from_snapshot(load_snapshot(pytest.importorskip("pathlib").Path(__file__).parent
-                                              / "data/snapshots/select_n_a.pickle"))
+    trace = trace_from_snapshot(load_snapshot(shared_snapshot("select_n_a")))
     assert len(trace.initial_segments) == 82 - 13  # segments at end minus those created in the trace
     assert any(seg.live_blocks for seg in trace.initial_segments)
 
 
 def test_cs336_release_is_a_users_empty_cache_not_a_retry():
-    trace = trace_from_snapshot(load_snapshot(
-        __import__("pathlib").Path(__file__).parent / "data/snapshots/cs336_ctx256_fwd.pickle"))
+    trace = trace_from_snapshot(load_snapshot(shared_snapshot("cs336_ctx256_fwd")))
     result = replay(trace, mode="anchored")
     assert result.total.alloc_retries == 0
     assert len(result.flush_points) == 1 and len(result.segment_free_batches[0]) == 287

@@ -75,3 +75,27 @@ def test_flush_frees_no_tensor_and_frees_segments_only_at_the_policy_points():
         for phase, requested in r["ranks"][0]["requested_at_phase_end"].items():
             assert abs(requested - base[phase]) <= 512, (flush, phase)
     assert sum(f["segments_released"] for f in results["after-both"]["ranks"][0]["flushes"]) > 0
+
+
+def test_the_precision_is_the_gpus_fp16_on_cpu_too():
+    r = run("zero2")
+    assert {rank["recipe"]["dtype"] for rank in r["ranks"]} == {"float16"}
+
+
+def test_value_heads_fit_a_critic_checkpoint_of_another_width(tmp_path):
+    """critic_path with a hidden size other than the pair's: the v_head reads the loaded model's width
+    (was sized from the pair: 'mat1 and mat2 shapes cannot be multiplied (512x768 and 128x1)')."""
+    import torch
+    from transformers import OPTConfig, OPTModel
+
+    from pytest_rlhfmem.rlhf.deepspeed_chat import create_critic_model
+    from pytest_rlhfmem.rlhf.models import get_pair
+
+    cfg = OPTConfig(vocab_size=1024, hidden_size=96, ffn_dim=192, num_hidden_layers=1, num_attention_heads=4,
+                    word_embed_proj_dim=96, max_position_embeddings=64)
+    OPTModel(cfg).save_pretrained(tmp_path)
+    critic = create_critic_model(get_pair("tiny-opt").critic, None, str(tmp_path), torch.float32)
+    assert critic.v_head.in_features == 96 != get_pair("tiny-opt").critic.config["hidden_size"]
+    ids = torch.randint(3, 1024, (2, 8))
+    out = critic.forward_value(ids, torch.ones_like(ids))
+    assert out["values"].shape == (2, 8) and out["chosen_end_scores"].shape == (2,)

@@ -23,7 +23,7 @@ import torch
 from ..memory.capture import Recorder
 from . import ppo
 from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
-from .models import ModelSpec, build_base_model, build_causal_lm, get_pair
+from .models import ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
 from .scenario import Scenario
 
 # strategy -> (plugin, gradient checkpointing); plugin kwargs below
@@ -73,7 +73,8 @@ class ValueModel(torch.nn.Module):
 
 
 def _value_model(spec: ModelSpec, path: str | None, dtype: torch.dtype) -> ValueModel:
-    return ValueModel(build_base_model(spec, path), spec.hidden_size()).to(dtype)
+    base = build_base_model(spec, path)
+    return ValueModel(base, output_width(base.config)).to(dtype)
 
 
 def _optimizer(model: torch.nn.Module, kind: str):
@@ -111,7 +112,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     pair = get_pair(scenario.models)
     kind, grad_ckpt = STRATEGY_PLUGINS[scenario.strategy]
     gemini = kind.startswith("gemini")
-    dtype = resolve_dtype(scenario, device)
+    dtype = resolve_dtype(scenario, device, cpu_default="fp32")  # TorchDDP on CPU: fp32 (the GPU precision is left)
     batch = scenario.get("batch_size", 2)
     prompt_len = scenario.get("prompt_len", pair.prompt_len)
     answer_len = scenario.get("answer_len", pair.answer_len)

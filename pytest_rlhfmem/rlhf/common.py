@@ -14,10 +14,12 @@ from .scenario import Scenario
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def resolve_dtype(scenario: Scenario, device: str) -> torch.dtype:
-    """fp16 on CUDA, fp32 on CPU, unless the scenario says ``dtype``. Raises ``ValueError`` naming the
-    valid values."""
-    name = scenario.get("dtype") or ("fp16" if device == "cuda" else "fp32")
+def resolve_dtype(scenario: Scenario, device: str, cpu_default: str = "fp16") -> torch.dtype:
+    """The scenario's ``dtype`` override, else the GPU's precision: fp16, DeepSpeed-Chat's default
+    (``--dtype fp16``, ``dschat/utils/ds_utils.py``), on CUDA and on CPU alike, so that a CPU run allocates
+    the model-state buffers a GPU run allocates (fp16 weights and gradients, fp32 masters and Adam states).
+    ``cpu_default`` lets a recipe keep another CPU precision. Raises ``ValueError`` naming the valid values."""
+    name = scenario.get("dtype") or ("fp16" if device == "cuda" else cpu_default)
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r}: valid: {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -31,7 +33,14 @@ def convert_to_lora(model: torch.nn.Module, pair: ModelPair, dim: int, only_opti
 
     cfg = LoraConfig(r=dim, lora_alpha=1, lora_dropout=0.0, target_modules=list(pair.lora_targets),
                      fan_in_fan_out=pair.actor.family == "gpt2", bias="none")
-    model = get_peft_model(model, cfg)
+    # One dtype for every parameter: DeepSpeed's fp16/bf16 engines flatten (ZeRO-1/2) or defragment
+    # (ZeRO-3, ``zero/utils.py: defragment``) the parameters into buffers of a single dtype, so the adapters
+    # take the base model's dtype (peft would otherwise keep them in fp32).
+    dtype = next(model.parameters()).dtype
+    model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    for name, p in model.named_parameters():
+        if "lora_" in name and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     if not only_optimize_lora:
         for name, p in model.named_parameters():
             if "lora_" not in name and not name.endswith("base_layer.weight"):

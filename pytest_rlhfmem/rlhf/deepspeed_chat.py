@@ -20,7 +20,7 @@ import torch
 from ..memory.capture import Recorder
 from . import ppo
 from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
-from .models import ModelSpec, build_base_model, build_causal_lm, get_pair
+from .models import ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
 from .scenario import Scenario
 
 # strategy -> (actor/critic ZeRO stage, CPU offload, gradient checkpointing)
@@ -140,7 +140,7 @@ def create_critic_model(spec: ModelSpec, ds_config: dict | None, path: str | Non
     dschf = HfDeepSpeedConfig(ds_config) if ds_config and ds_config["zero_optimization"]["stage"] == 3 else None
     base = build_base_model(spec, path)
     del dschf
-    return RewardModel(base, spec.hidden_size()).to(dtype)
+    return RewardModel(base, output_width(base.config)).to(dtype)
 
 
 def make_optimizer(model: torch.nn.Module, offload: bool, device: str):

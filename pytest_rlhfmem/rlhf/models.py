@@ -11,6 +11,7 @@ loaded with ``from_pretrained(local_files_only=True)``.
 | ``opt-6.7b`` | facebook/opt-6.7b | facebook/opt-350m | 128 | 256 + 256 |
 | ``gpt2-xl`` | gpt2-xl | gpt2-medium | 128 | 256 + 256 |
 | ``llama-2-7b`` | meta-llama/Llama-2-7b-hf | meta-llama/Llama-2-7b-hf (*) | 128 | 256 + 256 |
+| ``opt-125m`` | facebook/opt-125m | facebook/opt-125m | 128 | 64 + 64 |
 | ``tiny-opt`` | OPT, hidden 256, 4 layers, vocab 1024 | OPT, hidden 128, 2 layers | 8 | 16 + 16 |
 | ``tiny-gpt2`` | GPT-2, hidden 256, 4 layers, vocab 1024 | GPT-2, hidden 128, 2 layers | 8 | 16 + 16 |
 
@@ -21,6 +22,10 @@ Tiny pairs also scale DeepSpeed's communication buckets with the model (``bucket
 defaults (5e8 elements) are allocated whatever the model size, so at tiny scale the buckets would be the
 whole peak and no budget could see a model-side regression. The study's pairs keep DeepSpeed-Chat's
 settings (it sets no bucket sizes, so DeepSpeed's defaults apply).
+
+``opt-125m`` is the mid-size pair for CPU runs where the large pool is exercised (its 768 x 50272 embedding
+and logits are tens of MiB). It keeps the study's ratio of bucket to actor size: 5e8 elements against
+OPT-1.3b's 1.3e9 parameters is 0.38, so 5e7 elements against OPT-125m's 1.25e8.
 """
 
 from __future__ import annotations
@@ -36,10 +41,6 @@ class ModelSpec:
     family: str  # "opt" | "gpt2" | "llama"
     config: dict[str, Any]
     source: str  # the published model this mirrors, or "tiny"
-
-    def hidden_size(self) -> int:
-        c = self.config
-        return c.get("word_embed_proj_dim") or c.get("hidden_size") or c["n_embd"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ OPT_6_7B = ModelSpec("opt", {**_OPT_COMMON, "hidden_size": 4096, "ffn_dim": 1638
 OPT_350M = ModelSpec("opt", {**_OPT_COMMON, "hidden_size": 1024, "ffn_dim": 4096, "num_hidden_layers": 24,
                              "num_attention_heads": 16, "word_embed_proj_dim": 512,
                              "do_layer_norm_before": False}, "facebook/opt-350m")
+OPT_125M = ModelSpec("opt", {**_OPT_COMMON, "hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
+                             "num_attention_heads": 12, "word_embed_proj_dim": 768}, "facebook/opt-125m")
 _GPT2_COMMON = {"vocab_size": 50257, "n_positions": 1024, "bos_token_id": 50256, "eos_token_id": 50256,
                 "activation_function": "gelu_new"}
 GPT2_XL = ModelSpec("gpt2", {**_GPT2_COMMON, "n_embd": 1600, "n_layer": 48, "n_head": 25}, "gpt2-xl")
@@ -96,6 +99,7 @@ MODEL_PAIRS: dict[str, ModelPair] = {
     "opt-6.7b": ModelPair("opt-6.7b", OPT_6_7B, OPT_350M, 128, 256, 256, None, OPT_LORA),
     "gpt2-xl": ModelPair("gpt2-xl", GPT2_XL, GPT2_MEDIUM, 128, 256, 256, None, GPT2_LORA),
     "llama-2-7b": ModelPair("llama-2-7b", LLAMA_2_7B, LLAMA_2_7B, 128, 256, 256, None, LLAMA_LORA),
+    "opt-125m": ModelPair("opt-125m", OPT_125M, OPT_125M, 128, 64, 64, 5 * 10**7, OPT_LORA),
     "tiny-opt": ModelPair("tiny-opt", TINY_OPT_ACTOR, TINY_OPT_CRITIC, 8, 16, 16, 2 * 10**5, OPT_LORA),
     "tiny-gpt2": ModelPair("tiny-gpt2", TINY_GPT2_ACTOR, TINY_GPT2_CRITIC, 8, 16, 16, 2 * 10**5, GPT2_LORA),
 }
@@ -117,6 +121,18 @@ def hf_config(spec: ModelSpec):
     cfg = cls(**spec.config)
     cfg.use_cache = True
     return cfg
+
+
+def output_width(config) -> int:
+    """Width of a backbone's last hidden state, from a transformers config object: what a value head
+    reads. OPT projects to ``word_embed_proj_dim`` (512 for OPT-350m, whose ``hidden_size`` is 1024);
+    GPT-2 names it ``n_embd``; others ``hidden_size``. Taken from the model actually built, so a
+    ``critic_path`` checkpoint of another width gets a value head that fits it."""
+    for name in ("word_embed_proj_dim", "hidden_size", "n_embd"):
+        width = getattr(config, name, None)
+        if width:
+            return int(width)
+    raise ValueError(f"{type(config).__name__} names no output width (word_embed_proj_dim, hidden_size, n_embd)")
 
 
 def build_causal_lm(spec: ModelSpec, path: str | None = None):

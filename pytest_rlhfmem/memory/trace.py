@@ -142,6 +142,9 @@ def _pick_device(snap: dict, device: int | None, source: str) -> int:
         if device < 0 or (traces and device >= len(traces)):
             raise SnapshotError(f"{source}: device {device} not in snapshot (it has {len(traces)} device traces; "
                                 f"devices with events: {with_events})")
+        if traces and not traces[device] and not any(s.get("device", 0) == device for s in snap["segments"]):
+            raise SnapshotError(f"{source}: device {device} has no trace events and no segments, nothing to "
+                                f"replay (devices with events: {with_events})")
         return device
     if traces:
         return max(range(len(traces)), key=lambda i: len(traces[i] or []))

@@ -65,3 +65,21 @@ def test_unbalanced_markers_are_named():
     m = CachingAllocatorModel()
     with pytest.raises(ValueError, match="not currently recording to mempool_id"):
         m.end_allocate_to_pool(POOL)
+
+
+def test_cpu_capture_pool_markers_reach_the_replay():
+    from pytest_rlhfmem.memory.capture import Recorder
+    from pytest_rlhfmem.memory.replay import replay
+    from pytest_rlhfmem.memory.trace import POOL_ENTER, POOL_EXIT, Trace
+
+    rec = Recorder(device="cpu")
+    rec._marks = [(POOL_ENTER, POOL), (POOL_EXIT, POOL)]  # what rec.mem_pool(POOL) records
+    # (time_ns, seq, kind 0=alloc/free 1=mark, ptr or mark index, +size / -size)
+    items = [(1000, 0, 0, 4096, 4 * MiB), (2000, 1, 1, 0, 0), (3000, 2, 0, 8192, 4 * MiB),
+             (4000, 3, 0, 8192, -4 * MiB), (5000, 4, 1, 1, 0), (6000, 5, 0, 12288, 4 * MiB)]
+    events = rec.cpu_events(items)
+    assert [e.action for e in events] == ["alloc", POOL_ENTER, "alloc", "free", POOL_EXIT, "alloc"]
+    result = replay(Trace(events=events))
+    # the pool's segment served only the allocation made in it; the last one reuses the default segment
+    assert sorted(s["segment_pool_id"] for s in result.segments) == [(0, 0), (0, 1)]
+    assert len(result.segment_allocs) == 2 and result.final_allocated == 8 * MiB

@@ -16,7 +16,7 @@ from .units import format_size
 
 def _replay(args: argparse.Namespace) -> int:
     from .memory.allocator import AllocatorConfig, AllocatorConfigError
-    from .memory.replay import ANCHORED, ReplayError, agreement, recorded_summary, replay
+    from .memory.replay import ANCHORED, ReplayError, agreement, recorded_summary, replay, replay_json
     from .memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 
     try:
@@ -39,37 +39,7 @@ def _replay(args: argparse.Namespace) -> int:
     rec = recorded_summary(trace)
     agree = agreement(rec, result, trace.has_segment_events())
     if args.json:
-        out = {
-            "snapshot": args.snapshot,
-            "device": trace.device,
-            "mode": args.mode,
-            "alloc_conf": config.source,
-            "expandable_segments": config.expandable_segments,
-            "capacity": result.capacity,
-            "capacity_source": result.capacity_source,
-            "capture": trace.capture,
-            "recorded": {
-                "segment_allocs": [s for _, s in rec.segment_allocs],
-                "segment_free_batches": [[s for _, s in b] for b in rec.segment_free_batches],
-                "segment_maps": [s for _, s in rec.segment_maps],
-                "segment_unmaps": [s for _, s in rec.segment_unmaps],
-                "peak_reserved": rec.peak_reserved,
-                "final_reserved": rec.final_reserved,
-                "final_allocated": rec.final_allocated,
-            },
-            "simulated": {
-                **result.total.to_dict(),
-                "peak_phase": result.peak_phase,
-                "final_reserved": result.final_reserved,
-                "final_allocated": result.final_allocated,
-                "segment_allocs": [s for _, s in result.segment_allocs],
-                "segment_free_batches": [[s for _, s in b] for b in result.segment_free_batches],
-                "segment_maps": [s for _, s in result.segment_maps],
-                "segment_unmaps": [s for _, s in result.segment_unmaps],
-                "label": "simulated (allocator model)",
-            },
-            "agreement": agree,
-        }
+        out = replay_json(args.snapshot, args.mode, config, trace, result, rec, agree)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0

@@ -426,3 +426,40 @@ def agreement(recorded: RecordedSummary, sim: ReplayResult, has_segment_events: 
         "ooms_recorded": recorded.ooms,
         "ooms_simulated": sim.total.ooms,
     }
+
+
+def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace, result: ReplayResult,
+                rec: RecordedSummary, agree: dict) -> dict:
+    """The ``rlhfmem replay --json`` object (also timed by benchmarks/replay_throughput.py)."""
+    out = {
+        "snapshot": path,
+        "device": trace.device,
+        "mode": mode,
+        "alloc_conf": config.source,
+        "expandable_segments": config.expandable_segments,
+        "capacity": result.capacity,
+        "capacity_source": result.capacity_source,
+        "capture": trace.capture,
+        "recorded": {
+            "segment_allocs": [s for _, s in rec.segment_allocs],
+            "segment_free_batches": [[s for _, s in b] for b in rec.segment_free_batches],
+            "segment_maps": [s for _, s in rec.segment_maps],
+            "segment_unmaps": [s for _, s in rec.segment_unmaps],
+            "peak_reserved": rec.peak_reserved,
+            "final_reserved": rec.final_reserved,
+            "final_allocated": rec.final_allocated,
+        },
+        "simulated": {
+            **result.total.to_dict(),
+            "peak_phase": result.peak_phase,
+            "final_reserved": result.final_reserved,
+            "final_allocated": result.final_allocated,
+            "segment_allocs": [s for _, s in result.segment_allocs],
+            "segment_free_batches": [[s for _, s in b] for b in result.segment_free_batches],
+            "segment_maps": [s for _, s in result.segment_maps],
+            "segment_unmaps": [s for _, s in result.segment_unmaps],
+            "label": "simulated (allocator model)",
+        },
+        "agreement": agree,
+    }
+    return out

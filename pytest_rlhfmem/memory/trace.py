@@ -13,8 +13,11 @@ Snapshot format followed: ``torch/cuda/memory.py`` (``_snapshot``), ``torch/cuda
 from __future__ import annotations
 
 import bisect
+import functools
 import io
+import operator
 import pickle
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -217,21 +220,25 @@ def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig
     config = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
     traces = snap.get("device_traces") or []
     raw = (traces[dev] if dev < len(traces) else None) or []
-    actions = {e.get("action") for e in raw}
-    free_action = "free_completed" if "free_completed" in actions else "free"
+    # Plain "free" is the one free entry of 1.13-era files; later files write free_requested (skipped)
+    # and free_completed. snapshot entries and user annotations map to None and are skipped too.
+    kept = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC,
+            SEGMENT_FREE: SEGMENT_FREE, SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
     events: list[Event] = []
+    append, get_act = events.append, kept.get
+    make = functools.partial(tuple.__new__, Event)  # Event(...) without the Python-level __new__
     for e in raw:
-        a = e.get("action")
-        if a == "alloc":
-            act = ALLOC
-        elif a == free_action:
-            act = FREE
-        elif a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM):
-            act = a
-        else:
-            continue  # free_requested, snapshot, user annotations
-        events.append(Event(act, _int(e.get("addr")), _int(e.get("size")), _int(e.get("stream")),
-                            _int(e.get("time_us"))))
+        act = get_act(e["action"])
+        if act is not None:
+            g = e.get
+            append(make((act, g("addr") or 0, g("size") or 0, g("stream") or 0, g("time_us") or 0, "")))
+    try:  # every number must be a non-negative integer (array raises TypeError/OverflowError otherwise)
+        for column in range(1, 5):
+            array("Q", map(operator.itemgetter(column), events))
+    except (TypeError, OverflowError):
+        bad = next(e for e in events if not all(type(x) is int and x >= 0 for x in e[1:5]))
+        raise SnapshotError(f"{src}: malformed snapshot entry (a {bad.action} entry whose addr/size/stream/time_us "
+                            f"are not all non-negative integers: {tuple(bad[1:5])!r})") from None
     segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
     initial = _rebuild_initial_segments(events, segments, config, src)
     events = _with_pool_markers(events, segments, initial)

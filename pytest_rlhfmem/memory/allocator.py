@@ -447,6 +447,7 @@ class CachingAllocatorModel:
         on_segment_unmap: SegmentObserver | None = None,
     ) -> None:
         self.config = config or AllocatorConfig()
+        self._power2_rounding = any(d > 1 for d in self.config.roundup_power2_divisions)
         self.capacity = capacity
         self.small_blocks = BlockPool(is_small=True)
         self.large_blocks = BlockPool(is_small=False)
@@ -476,9 +477,10 @@ class CachingAllocatorModel:
         """``round_size``: the block size a request of ``size`` bytes gets."""
         if size < kMinBlockSize:
             return kMinBlockSize
-        divisions = self.config.roundup_divisions_for(size)
-        if divisions > 1 and size > kMinBlockSize * divisions:
-            return roundup_power2_next_division(size, divisions)
+        if self._power2_rounding:
+            divisions = self.config.roundup_divisions_for(size)
+            if divisions > 1 and size > kMinBlockSize * divisions:
+                return roundup_power2_next_division(size, divisions)
         return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
 
     @staticmethod

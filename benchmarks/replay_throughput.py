@@ -28,7 +28,9 @@ from pathlib import Path
 
 from pytest_rlhfmem.memory.allocator import AllocatorConfig
 from pytest_rlhfmem.memory.replay import agreement, recorded_summary, replay, replay_json
-from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, FREE, Event, Trace, load_snapshot, trace_from_snapshot, write_snapshot
+from pytest_rlhfmem.memory.trace import (
+    ALLOC, FLUSH, FREE, Event, Trace, load_snapshot, trace_from_snapshot, write_snapshot,
+)
 from pytest_rlhfmem.shared_snapshots import snapshot_path
 
 
@@ -126,8 +128,8 @@ def main() -> int:
           f"{'in-process ev/s':>15s} {'whole cmd s':>11s} {'whole ev/s':>10s}")
     for k, v in out.items():
         print(f"{k:36s} {v['events']:>9,d} {v['load_s']:>7.2f} {v['replay_s']:>8.2f} {v['metrics_s']:>9.2f} "
-              f"{v['bound_by']:>7s} {v['events_per_s_in_process']:>15,d} {v.get('whole_command_s', float('nan')):>11.2f} "
-              f"{v.get('whole_command_events_per_s', 0):>10,d}")
+              f"{v['bound_by']:>7s} {v['events_per_s_in_process']:>15,d} "
+              f"{v.get('whole_command_s', float('nan')):>11.2f} {v.get('whole_command_events_per_s', 0):>10,d}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1))

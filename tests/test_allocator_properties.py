@@ -57,8 +57,9 @@ def test_invariants_hold_on_random_traces(ops, conf, capacity):
                 continue
             owner = b.pool.owner_private_pool
             assert (owner.id if owner else None) == inside  # never in another pool's segment
-            if b.expandable_segment is not None:
-                assert b.pool is next(x for x in m.segments.values() if x.expandable_segment is b.expandable_segment).pool
+            if b.expandable_segment is not None:  # its expandable segment belongs to the same pool
+                head = m.segments[b.expandable_segment.ptr]
+                assert b.pool is head.pool
             live.append(b)
         elif op == "free" and live:
             m.free(live.pop(pick % len(live)))

@@ -160,6 +160,9 @@ def test_snapshots_without_segment_events_replay(name):
     assert result.final_reserved >= result.final_allocated > 0
 
 
+MiB = 1 << 20
+
+
 def _snap(events, segments=(), settings=None):
     return {"segments": list(segments), "device_traces": [list(events)], "allocator_settings": settings}
 
@@ -183,5 +186,3 @@ def test_oom_entry_gives_the_capacity_and_the_model_fails_the_same_request():
         assert result.total.ooms == 1 and result.total.alloc_retries == 1 and result.oom_mismatches == 0
         assert result.final_reserved == 120 * MiB
 
-
-MiB = 1 << 20

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .allocator import DEFAULT_POOL, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer, kSmallSize
+from .allocator import (
+    DEFAULT_POOL, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer, kSmallSize,
+)
 
 # Event actions. ALLOC/FREE carry the REQUESTED size; SEGMENT_* the segment size.
 ALLOC = "alloc"

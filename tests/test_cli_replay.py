@@ -146,3 +146,24 @@ def test_malformed_snapshots_are_one_line_and_exit_2(tmp_path, snap, args, fragm
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlhfmem: error:") and fragment in lines[0], p.stderr
     assert str(path) in lines[0]
+
+
+def test_expandable_what_if_on_a_cpu_captured_trace(tmp_path):
+    from pytest_rlhfmem.memory.replay import replay
+    from pytest_rlhfmem.memory.trace import ALLOC, CAPTURE_CPU_SIMULATED, FREE, Event, Trace, write_snapshot
+
+    # what `rlhfmem run --snapshot-dir` writes: the simulated replay of a captured CPU trace
+    mib = 1 << 20
+    events = [Event(ALLOC, 0x1000 * (i + 1), (i % 7 + 1) * 3 * mib) for i in range(12)]
+    events += [Event(FREE, 0x1000 * (i + 1), (i % 7 + 1) * 3 * mib) for i in range(0, 12, 2)]
+    trace = Trace(events=events, capture=CAPTURE_CPU_SIMULATED)
+    sim = replay(trace, record_events=True)
+    path = write_snapshot(tmp_path / "rank0.pickle", Trace(events=sim.events, capture=trace.capture), sim.segments)
+    default = json.loads(rlhfmem("replay", str(path), "--free-running", "--json").stdout)["simulated"]
+    p = rlhfmem("replay", str(path), "--free-running", "--json", "--alloc-conf", "expandable_segments:True")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["expandable_segments"] is True and out["simulated"]["label"].startswith("simulated")
+    es = out["simulated"]
+    assert es["segment_allocs"] == [] and sum(es["segment_maps"]) == es["peak_reserved"]
+    assert default["segment_allocs"] and es["peak_allocated"] <= default["peak_allocated"]

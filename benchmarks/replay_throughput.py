@@ -8,7 +8,7 @@ freed in mostly LIFO order, some large buffers, occasional empty_cache), written
 
 - ``whole_command``: ``python -m pytest_rlhfmem.cli replay FILE --free-running --json`` in a subprocess,
   wall time including interpreter start (the figure of issue 9; target 1,000,000 events/s);
-- in-process, best of ``--repeat``: ``load`` (unpickle + ``trace_from_snapshot``), ``replay`` (the
+- in-process, best of ``--repeat``: ``load`` (unpickle, then ``trace_from_snapshot``), ``replay`` (the
   allocator model and the metrics collector, series on, as the command runs it) and ``metrics``
   (``recorded_summary`` + ``agreement`` + the JSON object + ``json.dumps``), so the bound is named;
 - the same for ``expandable_segments:True`` (the advisor's what-if), and the real GPU snapshots of
@@ -72,7 +72,9 @@ def best(fn, repeat: int) -> tuple[float, object]:
 
 def in_process(path: Path, repeat: int, conf: str | None) -> dict:
     """load / replay / metrics seconds of one replay of ``path``, as the CLI runs it (free-running)."""
-    t_load, trace = best(lambda: trace_from_snapshot(load_snapshot(path), source=str(path)), repeat)
+    t_unpickle, snap = best(lambda: load_snapshot(path), repeat)
+    t_convert, trace = best(lambda: trace_from_snapshot(snap, source=str(path)), repeat)
+    t_load = t_unpickle + t_convert
     config = AllocatorConfig.parse(conf) if conf else None
     t_replay, result = best(lambda: replay(trace, config=config, mode="free-running"), repeat)
     cfg = config or AllocatorConfig()
@@ -85,7 +87,8 @@ def in_process(path: Path, repeat: int, conf: str | None) -> dict:
     t_metrics, _ = best(metrics, repeat)
     n = n_events(trace)
     total = t_load + t_replay + t_metrics
-    return {"events": n, "load_s": round(t_load, 3), "replay_s": round(t_replay, 3),
+    return {"events": n, "load_s": round(t_load, 3), "unpickle_s": round(t_unpickle, 3),
+            "trace_from_snapshot_s": round(t_convert, 3), "replay_s": round(t_replay, 3),
             "metrics_s": round(t_metrics, 3), "events_per_s_in_process": round(n / total),
             "bound_by": max(("load", t_load), ("replay", t_replay), ("metrics", t_metrics), key=lambda x: x[1])[0]}
 
@@ -124,10 +127,10 @@ def main() -> int:
             print(f"{name}: skipped, {p} not found")
             continue
         out[name] = in_process(p, a.repeat, None)
-    print(f"{'workload':36s} {'events':>9s} {'load s':>7s} {'replay s':>8s} {'metrics s':>9s} {'bound':>7s} "
+    print(f"{'workload':36s} {'events':>9s} {'load s':>7s} {'(unpickle)':>10s} {'replay s':>8s} {'metrics s':>9s} {'bound':>7s} "
           f"{'in-process ev/s':>15s} {'whole cmd s':>11s} {'whole ev/s':>10s}")
     for k, v in out.items():
-        print(f"{k:36s} {v['events']:>9,d} {v['load_s']:>7.2f} {v['replay_s']:>8.2f} {v['metrics_s']:>9.2f} "
+        print(f"{k:36s} {v['events']:>9,d} {v['load_s']:>7.2f} {v['unpickle_s']:>10.2f} {v['replay_s']:>8.2f} {v['metrics_s']:>9.2f} "
               f"{v['bound_by']:>7s} {v['events_per_s_in_process']:>15,d} "
               f"{v.get('whole_command_s', float('nan')):>11.2f} {v.get('whole_command_events_per_s', 0):>10,d}")
     if a.json:

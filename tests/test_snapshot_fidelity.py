@@ -186,3 +186,28 @@ def test_oom_entry_gives_the_capacity_and_the_model_fails_the_same_request():
         assert result.total.ooms == 1 and result.total.alloc_retries == 1 and result.oom_mismatches == 0
         assert result.final_reserved == 120 * MiB
 
+
+
+def test_oom_after_the_retry_released_a_cached_segment():
+    # 2 x 40 MiB live, one 40 MiB segment cached; a 60 MiB request: cudaMalloc fails, the retry releases
+    # the cached segment (segment_free), cudaMalloc fails again: OOM with 50 MiB free.
+    segs, ev = [], []
+    for k in range(3):
+        ev += [{"action": "segment_alloc", "addr": (k + 1) << 30, "size": 40 * MiB},
+               {"action": "alloc", "addr": (k + 1) << 30, "size": 40 * MiB}]
+    ev += [{"action": "free_completed", "addr": 3 << 30, "size": 40 * MiB},
+           {"action": "segment_free", "addr": 3 << 30, "size": 40 * MiB},
+           {"action": "oom", "addr": 50 * MiB, "size": 60 * MiB}]
+    for k in range(2):
+        segs.append({"address": (k + 1) << 30, "total_size": 40 * MiB, "allocated_size": 40 * MiB,
+                     "segment_type": "large", "blocks": [{"address": (k + 1) << 30, "size": 40 * MiB,
+                                                          "requested_size": 40 * MiB, "state": "active_allocated"}]})
+    trace = trace_from_snapshot(_snap(ev, segs))
+    rec = recorded_summary(trace)
+    for mode in ("anchored", "free-running"):
+        result = replay(trace, mode=mode)
+        assert result.capacity == 130 * MiB  # 80 MiB reserved after the release + 50 MiB free
+        assert result.total.alloc_retries == 1 and result.total.ooms == 1 and result.oom_mismatches == 0
+        assert [len(b) for b in result.segment_free_batches] == [1] and not result.flush_points
+        assert agreement(rec, result, True)["segment_free_batches_equal"]
+        assert result.final_reserved == rec.final_reserved == 80 * MiB

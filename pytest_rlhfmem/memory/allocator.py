@@ -589,7 +589,7 @@ class CachingAllocatorModel:
         if k[0] != stream:
             return -1
         by_key = pool.by_key
-        if by_key[k].expandable_segment is not None:
+        if self.expandable_segments and by_key[k].expandable_segment is not None:
             if self.config.expandable_segments:
                 # A free block followed by unmapped space counts as the size it can expand to.
                 def expandable_size(b: Block) -> int:

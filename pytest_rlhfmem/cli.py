@@ -16,44 +16,30 @@ from .units import format_size
 
 def _replay(args: argparse.Namespace) -> int:
     from .memory.allocator import AllocatorConfig, AllocatorConfigError
-    from .memory.replay import ANCHORED, agreement, recorded_summary, replay
+    from .memory.replay import ANCHORED, ReplayError, agreement, recorded_summary, replay, replay_json
     from .memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 
     try:
+        config = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else None
         snap = load_snapshot(args.snapshot)
-        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
-        config = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else recorded_config
+        try:
+            recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+        except (AllocatorConfigError, AttributeError, TypeError) as exc:
+            raise SnapshotError(f"{args.snapshot}: allocator_settings: {exc}") from None
+        config = config or recorded_config
         # Pre-existing blocks are sized with the recorded settings: that is how they were allocated.
         trace = trace_from_snapshot(snap, device=args.device, config=recorded_config, source=args.snapshot)
-    except (SnapshotError, AllocatorConfigError) as exc:
+        capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
+        result = replay(trace, config=config, mode=args.mode, capacity=capacity)
+    except (SnapshotError, AllocatorConfigError, ReplayError) as exc:
         raise CliError(str(exc)) from None
-    capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
-    result = replay(trace, config=config, mode=args.mode, capacity=capacity)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError) as exc:
+        # the model's own consistency checks: still one line, naming the file
+        raise CliError(f"{args.snapshot}: cannot replay ({type(exc).__name__}: {exc})") from None
     rec = recorded_summary(trace)
     agree = agreement(rec, result, trace.has_segment_events())
     if args.json:
-        out = {
-            "snapshot": args.snapshot,
-            "mode": args.mode,
-            "alloc_conf": config.source,
-            "capture": trace.capture,
-            "recorded": {
-                "segment_allocs": [s for _, s in rec.segment_allocs],
-                "segment_free_batches": [[s for _, s in b] for b in rec.segment_free_batches],
-                "peak_reserved": rec.peak_reserved,
-                "final_reserved": rec.final_reserved,
-                "final_allocated": rec.final_allocated,
-            },
-            "simulated": {
-                **result.total.to_dict(),
-                "peak_phase": result.peak_phase,
-                "final_reserved": result.final_reserved,
-                "final_allocated": result.final_allocated,
-                "segment_allocs": [s for _, s in result.segment_allocs],
-                "segment_free_batches": [[s for _, s in b] for b in result.segment_free_batches],
-            },
-            "agreement": agree,
-        }
+        out = replay_json(args.snapshot, args.mode, config, trace, result, rec, agree)
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -61,6 +47,8 @@ def _replay(args: argparse.Namespace) -> int:
     rows = [
         ("cudaMalloc count (segment_alloc)", len(rec.segment_allocs), len(result.segment_allocs)),
         ("segment_free batches", len(rec.segment_free_batches), len(result.segment_free_batches)),
+        ("segment_map / segment_unmap", f"{len(rec.segment_maps)} / {len(rec.segment_unmaps)}",
+         f"{len(result.segment_maps)} / {len(result.segment_unmaps)}"),
         ("peak reserved", format_size(rec.peak_reserved), format_size(t.peak_reserved)),
         ("final reserved", format_size(rec.final_reserved), format_size(result.final_reserved)),
         ("final allocated", format_size(rec.final_allocated), format_size(result.final_allocated)),
@@ -69,7 +57,7 @@ def _replay(args: argparse.Namespace) -> int:
         ("max fragmentation", "-", format_size(t.max_fragmentation)),
         ("alloc retries / OOMs", "-", f"{t.alloc_retries} / {t.ooms}"),
     ]
-    print(f"{args.snapshot}: {len(trace.events)} events, replay {args.mode}"
+    print(f"{args.snapshot}: device {trace.device}, {len(trace.events)} events, replay {args.mode}"
           + (f", alloc-conf {config.source!r}" if args.alloc_conf is not None else ""))
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  {'recorded':>14}  {'simulated':>14}")
@@ -144,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(mode="anchored")
     r.add_argument("--alloc-conf", default=None, metavar="STR",
                    help="PYTORCH_CUDA_ALLOC_CONF to replay under (default: the recorded settings)")
-    r.add_argument("--device", type=int, default=None, help="device index (default: the longest trace)")
-    r.add_argument("--device-memory-gib", type=float, default=None, help="device capacity (default: unlimited)")
+    r.add_argument("--device", type=int, default=None, help="device index (default: the device with most events)")
+    r.add_argument("--device-memory-gib", type=float, default=None,
+                   help="device capacity (default: inferred from the trace's oom entries, else unlimited)")
     r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")
     r.set_defaults(func=_replay)
 

@@ -104,7 +104,6 @@ def test_empty_cache_keeps_partly_used_segments():
         ("roundup_power2_divisions:3", "power of 2"),
         ("roundup_power2_divisions:[64:3]", "power of 2"),
         ("garbage_collection_threshold:1.5", "strictly between 0.0 and 1.0"),
-        ("expandable_segments:True", "not modelled"),
         ("expandable_segments:yes", "allowed values are True, False"),
         ("backend:cudaMallocAsync", "only 'native'"),
         ("max_split_size_mb", "is not 'key:value'"),

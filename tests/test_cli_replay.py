@@ -76,3 +76,94 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, content, args, fragment):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlhfmem: error:") and fragment in lines[0]
     assert "Traceback" not in p.stderr and "PWNED" not in p.stdout
+
+
+ALL_SNAPSHOTS = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev2", "slime_init_b",
+                 "llminf_1p3b_a", "wedson_medium_128_inference", "wedson_medium_256_training")
+
+
+@pytest.mark.parametrize("name", ALL_SNAPSHOTS)
+def test_every_real_snapshot_replays_anchored_and_agrees(name):
+    p = rlhfmem("replay", str(shared_snapshot(name)), "--anchored", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    a = out["agreement"]
+    assert isinstance(out["device"], int)
+    if a["available"]:
+        assert a["segment_allocs_matching"] == a["segment_allocs_recorded"] == a["segment_allocs_simulated"]
+        assert a["segment_maps_matching"] == a["segment_maps_recorded"] == a["segment_maps_simulated"]
+        assert a["segment_unmaps_matching"] == a["segment_unmaps_recorded"]
+        assert a["segment_free_batches_equal"] and a["final_reserved_equal"] and a["final_allocated_equal"]
+
+
+@pytest.mark.parametrize("name", ALL_SNAPSHOTS)
+def test_expandable_what_if_on_every_real_snapshot(name):
+    p = rlhfmem("replay", str(shared_snapshot(name)), "--free-running", "--json",
+                "--alloc-conf", "expandable_segments:True")
+    assert p.returncode == 0, p.stderr
+    sim = json.loads(p.stdout)["simulated"]
+    assert sim["segment_allocs"] == []  # every new byte comes from mapped pages, never a cudaMalloc
+    assert sim["peak_reserved"] >= sim["peak_allocated"]
+
+
+def test_device_option_and_json_names_the_device():
+    path = str(shared_snapshot("codeloc_expandable_dev0_dev2"))
+    assert json.loads(rlhfmem("replay", path, "--json").stdout)["device"] == 0
+    out = json.loads(rlhfmem("replay", path, "--device", "2", "--json").stdout)
+    assert out["device"] == 2 and out["agreement"]["segment_maps_matching"] == 78
+
+
+def _seg(addr, size, blocks):
+    return {"device": 0, "address": addr, "total_size": size, "allocated_size": 0, "stream": 0,
+            "segment_type": "large", "blocks": blocks}
+
+
+@pytest.mark.parametrize(
+    "snap, args, fragment",
+    [
+        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 1}], []]}, ["--device", "5"],
+         "device 5 not in snapshot"),
+        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": 1}], []]}, ["--device", "1"],
+         "device 1 has no trace events and no segments"),
+        ({"segments": [_seg(1 << 30, 20 << 20, [{"size": 1 << 20, "state": "inactive"}])], "device_traces": [[]]},
+         [], "blocks add up to 1048576 bytes, not its total_size 20971520"),
+        ({"segments": [dict(_seg(1 << 30, 20 << 20, [{"address": 1 << 30, "size": 20 << 20, "state": "inactive"}]),
+                            is_expandable=True)], "device_traces": [[]]},
+         [], "pages mapped before the trace began cannot be rebuilt"),
+        ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": "lots"}]]}, [],
+         "malformed snapshot entry"),
+        ({"segments": [{"address": 5}], "device_traces": [[]]}, [], "malformed snapshot entry"),
+        ({"segments": [], "device_traces": "nope"}, [], "'device_traces' is a str"),
+        ({"segments": [], "device_traces": [[]], "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "bad:1"}}, [],
+         "unknown alloc-conf key 'bad'"),
+    ],
+)
+def test_malformed_snapshots_are_one_line_and_exit_2(tmp_path, snap, args, fragment):
+    path = tmp_path / "odd.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    p = rlhfmem("replay", str(path), *args)
+    assert p.returncode == 2, p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlhfmem: error:") and fragment in lines[0], p.stderr
+    assert str(path) in lines[0]
+
+
+def test_expandable_what_if_on_a_cpu_captured_trace(tmp_path):
+    from pytest_rlhfmem.memory.replay import replay
+    from pytest_rlhfmem.memory.trace import ALLOC, CAPTURE_CPU_SIMULATED, FREE, Event, Trace, write_snapshot
+
+    # what `rlhfmem run --snapshot-dir` writes: the simulated replay of a captured CPU trace
+    mib = 1 << 20
+    events = [Event(ALLOC, 0x1000 * (i + 1), (i % 7 + 1) * 3 * mib) for i in range(12)]
+    events += [Event(FREE, 0x1000 * (i + 1), (i % 7 + 1) * 3 * mib) for i in range(0, 12, 2)]
+    trace = Trace(events=events, capture=CAPTURE_CPU_SIMULATED)
+    sim = replay(trace, record_events=True)
+    path = write_snapshot(tmp_path / "rank0.pickle", Trace(events=sim.events, capture=trace.capture), sim.segments)
+    default = json.loads(rlhfmem("replay", str(path), "--free-running", "--json").stdout)["simulated"]
+    p = rlhfmem("replay", str(path), "--free-running", "--json", "--alloc-conf", "expandable_segments:True")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["expandable_segments"] is True and out["simulated"]["label"].startswith("simulated")
+    es = out["simulated"]
+    assert es["segment_allocs"] == [] and sum(es["segment_maps"]) == es["peak_reserved"]
+    assert default["segment_allocs"] and es["peak_allocated"] <= default["peak_allocated"]

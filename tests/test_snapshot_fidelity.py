@@ -86,3 +86,128 @@ def test_bad_snapshots_give_a_named_error(tmp_path, make, fragment, capsys):
         load_snapshot(path)
     assert fragment in str(exc.value) and str(path) in str(exc.value)
     assert "code ran" not in capsys.readouterr().out
+
+
+# -- the formats added by issue 9 ------------------------------------------------------------------
+
+def _anchored(name: str, device: int | None = None, mode: str = "anchored"):
+    trace = trace_from_snapshot(load_snapshot(shared_snapshot(name)), device=device)
+    return trace, recorded_summary(trace), replay(trace, mode=mode)
+
+
+@pytest.mark.parametrize("mode", ["anchored", "free-running"])
+@pytest.mark.parametrize("device, n_maps", [(0, 175), (2, 78)])
+def test_expandable_segments_both_devices_match_every_map(device, n_maps, mode):
+    trace, rec, result = _anchored("codeloc_expandable_dev0_dev2", device, mode)
+    assert trace.device == device and len(rec.segment_maps) == n_maps
+    if mode == "anchored":
+        assert result.segment_maps == rec.segment_maps  # same address and size, in order
+    else:
+        assert [s for _, s in result.segment_maps] == [s for _, s in rec.segment_maps]
+    assert result.segment_unmaps == rec.segment_unmaps == [] and result.segment_allocs == []
+    assert result.final_reserved == rec.final_reserved and result.final_allocated == rec.final_allocated
+    assert result.total.peak_reserved == rec.peak_reserved
+    assert result.unmatched_frees == 0
+    result.model.check_invariants()
+
+
+def test_expandable_default_device_is_the_one_with_most_events():
+    trace = trace_from_snapshot(load_snapshot(shared_snapshot("codeloc_expandable_dev0_dev2")))
+    assert trace.device == 0
+
+
+@pytest.mark.parametrize("mode", ["anchored", "free-running"])
+def test_private_pool_matches_every_segment_event(mode):
+    trace, rec, result = _anchored("slime_init_b", mode=mode)
+    assert trace.device == 1
+    assert sum(e.action == "pool_enter" for e in trace.events) >= 1
+    assert len(rec.segment_allocs) == 422 and sum(len(b) for b in rec.segment_free_batches) == 181
+    if mode == "anchored":
+        assert result.segment_allocs == rec.segment_allocs
+        assert result.segment_free_batches == rec.segment_free_batches
+    assert [s for _, s in result.segment_allocs] == [s for _, s in rec.segment_allocs]
+    assert agreement(rec, result, True)["segment_free_batches_equal"]
+    assert result.final_reserved == rec.final_reserved == 24_679_284_736
+    assert result.final_allocated == rec.final_allocated
+    pools = {s["segment_pool_id"] for s in result.segments}
+    assert pools == {(0, 0), (0, 1)}
+    result.model.check_invariants()
+
+
+def test_private_pool_segments_end_where_recorded():
+    snap = load_snapshot(shared_snapshot("slime_init_b"))
+    result = replay(trace_from_snapshot(snap), mode="anchored")
+    recorded = {(s["address"], s["total_size"], s["allocated_size"], tuple(s["segment_pool_id"]))
+                for s in snap["segments"]}
+    simulated = {(s["address"], s["total_size"], s["allocated_size"], s["segment_pool_id"]) for s in result.segments}
+    assert simulated == recorded
+
+
+def test_blocks_without_address_get_them_from_the_segment():
+    snap = load_snapshot(shared_snapshot("llminf_1p3b_a"))
+    assert all("address" not in b for s in snap["segments"] for b in s["blocks"])
+    trace = trace_from_snapshot(snap)
+    result = replay(trace, mode="anchored")
+    assert result.final_reserved == 1_851_785_216 == sum(s["total_size"] for s in snap["segments"])
+    # the one recorded event frees a block that was live before the trace
+    assert result.unmatched_frees == 0 and result.final_allocated == recorded_summary(trace).final_allocated
+
+
+@pytest.mark.parametrize("name", ["wedson_medium_128_inference", "wedson_medium_256_training"])
+def test_snapshots_without_segment_events_replay(name):
+    trace, rec, result = _anchored(name)
+    assert not trace.has_segment_events()
+    assert result.final_reserved >= result.final_allocated > 0
+
+
+MiB = 1 << 20
+
+
+def _snap(events, segments=(), settings=None):
+    return {"segments": list(segments), "device_traces": [list(events)], "allocator_settings": settings}
+
+
+def test_oom_entry_gives_the_capacity_and_the_model_fails_the_same_request():
+    # 3 x 40 MiB live, a 4th request fails: the retry released nothing (no free segment), then OOM with
+    # 30 MiB free on the device. Capacity = 120 MiB reserved + 30 MiB free.
+    ev = []
+    for k in range(3):
+        ev += [{"action": "segment_alloc", "addr": (k + 1) << 30, "size": 40 * MiB},
+               {"action": "alloc", "addr": (k + 1) << 30, "size": 40 * MiB}]
+    ev.append({"action": "oom", "addr": 30 * MiB, "size": 40 * MiB, "stream": 0})
+    segs = [{"address": (k + 1) << 30, "total_size": 40 * MiB, "allocated_size": 40 * MiB, "stream": 0,
+             "segment_type": "large", "blocks": [{"address": (k + 1) << 30, "size": 40 * MiB,
+                                                  "requested_size": 40 * MiB, "state": "active_allocated"}]}
+            for k in range(3)]
+    trace = trace_from_snapshot(_snap(ev, segs))
+    for mode in ("anchored", "free-running"):
+        result = replay(trace, mode=mode)
+        assert result.capacity == 150 * MiB and result.capacity_source.startswith("inferred")
+        assert result.total.ooms == 1 and result.total.alloc_retries == 1 and result.oom_mismatches == 0
+        assert result.final_reserved == 120 * MiB
+
+
+
+def test_oom_after_the_retry_released_a_cached_segment():
+    # 2 x 40 MiB live, one 40 MiB segment cached; a 60 MiB request: cudaMalloc fails, the retry releases
+    # the cached segment (segment_free), cudaMalloc fails again: OOM with 50 MiB free.
+    segs, ev = [], []
+    for k in range(3):
+        ev += [{"action": "segment_alloc", "addr": (k + 1) << 30, "size": 40 * MiB},
+               {"action": "alloc", "addr": (k + 1) << 30, "size": 40 * MiB}]
+    ev += [{"action": "free_completed", "addr": 3 << 30, "size": 40 * MiB},
+           {"action": "segment_free", "addr": 3 << 30, "size": 40 * MiB},
+           {"action": "oom", "addr": 50 * MiB, "size": 60 * MiB}]
+    for k in range(2):
+        segs.append({"address": (k + 1) << 30, "total_size": 40 * MiB, "allocated_size": 40 * MiB,
+                     "segment_type": "large", "blocks": [{"address": (k + 1) << 30, "size": 40 * MiB,
+                                                          "requested_size": 40 * MiB, "state": "active_allocated"}]})
+    trace = trace_from_snapshot(_snap(ev, segs))
+    rec = recorded_summary(trace)
+    for mode in ("anchored", "free-running"):
+        result = replay(trace, mode=mode)
+        assert result.capacity == 130 * MiB  # 80 MiB reserved after the release + 50 MiB free
+        assert result.total.alloc_retries == 1 and result.total.ooms == 1 and result.oom_mismatches == 0
+        assert [len(b) for b in result.segment_free_batches] == [1] and not result.flush_points
+        assert agreement(rec, result, True)["segment_free_batches_equal"]
+        assert result.final_reserved == rec.final_reserved == 80 * MiB

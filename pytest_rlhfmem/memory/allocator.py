@@ -1,20 +1,29 @@
 """A model of PyTorch's CUDA caching allocator, step for step.
 
 Source followed: ``c10/cuda/CUDACachingAllocator.cpp`` and ``c10/cuda/CUDAAllocatorConfig.cpp`` in
-pytorch/pytorch (2.5-2.9), summarised in ``shared/reference/caching-allocator.md``. Names mirror the
-C++ (``Block``, ``BlockPool``, ``round_size``, ``get_allocation_size``, ``get_free_block``,
-``should_split``, ``alloc_found_block``, ``try_merge_blocks``, ``free_block``, ``alloc_block``,
-``release_available_cached_blocks``, ``release_cached_blocks``, ``garbage_collect_cached_blocks``) so
-that the two can be read side by side. Every size is in bytes.
+pytorch/pytorch (2.5-2.9; expandable segments and private pools read at commit 001074d25084, the
+``release_cached_blocks(context, mempool_id)`` form of 2.6+), summarised in
+``shared/reference/caching-allocator.md``. Names mirror the C++ (``Block``, ``BlockPool``,
+``PrivatePool``, ``ExpandableSegment``, ``round_size``, ``get_allocation_size``, ``get_pool``,
+``get_free_block``, ``should_split``, ``alloc_found_block``, ``try_merge_blocks``, ``free_block``,
+``alloc_block``, ``find_expandable_block``, ``map_block``, ``try_allocate_expandable_block``,
+``unmap_block``, ``release_available_cached_blocks``, ``release_cached_blocks``, ``release_blocks``,
+``garbage_collect_cached_blocks``, ``create_or_incref_pool``, ``begin_allocate_to_pool``,
+``end_allocate_to_pool``, ``release_pool``) so that the two can be read side by side. Every size is
+in bytes.
 
 What is modelled: the small and large pools, size rounding (including ``roundup_power2_divisions``),
 segment sizing, best fit by (stream, size, address), splitting, merging on free, ``max_split_size_mb``,
 ``max_non_split_rounding_mb``, ``garbage_collection_threshold``, the whole miss path with its retry
-(``num_alloc_retries``) and OOM (``num_ooms``) against a device capacity.
+(``num_alloc_retries``) and OOM (``num_ooms``) against a device capacity; private pools
+(``torch.cuda.MemPool`` / ``use_mem_pool`` and CUDA-graph pools: their own BlockPools, never returned by
+``empty_cache()`` while a user or graph holds them, no release-and-retry while allocating into one);
+and ``expandable_segments:True`` (one growing virtual segment per (stream, pool), mapped and unmapped
+in 2 MiB pages for a small pool and 20 MiB pages for a large one).
 
-What is not: ``expandable_segments:True`` (refused by :class:`AllocatorConfig`), CUDA graph private
-pools, and cross-stream ``record_stream`` events (a replay frees a block at ``free_completed``, the
-moment the real allocator returned it to its pool).
+What is not: cross-stream ``record_stream`` events (a replay frees a block at ``free_completed``, the
+moment the real allocator returned it to its pool), the ``use_on_oom`` pool fallback of 2.8+, and
+custom allocators behind a MemPool (their segments are modelled as cudaMalloc'd ones).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from collections.abc import Callable
 
-from sortedcontainers import SortedList
+from bisect import bisect_left, insort
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -86,7 +95,7 @@ class AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string strictly (``CUDAAllocatorConfig::parseArgs``).
 
         Raises :class:`AllocatorConfigError` naming the offending key and the allowed forms for an
-        unknown key, a malformed value, or ``expandable_segments:True`` (not modelled).
+        unknown key or a malformed value.
         """
         if not conf or not conf.strip():
             return cls()
@@ -122,11 +131,7 @@ class AllocatorConfig:
             elif key == "expandable_segments":
                 if value not in ("True", "False"):
                     raise AllocatorConfigError(f"expandable_segments={value!r}: allowed values are True, False")
-                if value == "True":
-                    raise AllocatorConfigError(
-                        "expandable_segments:True is not modelled by pytest-rlhfmem's allocator model "
-                        "(segments that grow page by page); replay with expandable_segments:False"
-                    )
+                kw["expandable_segments"] = value == "True"
             elif key == "backend":
                 if value != "native":
                     raise AllocatorConfigError(
@@ -147,7 +152,12 @@ class AllocatorConfig:
         if not settings:
             return cls()
         conf = settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-        return cls.parse(conf)
+        config = cls.parse(conf)
+        if settings.get("expandable_segments") is True and not config.expandable_segments:
+            # set through torch.cuda.memory._set_allocator_settings: the flag is in the settings only
+            conf = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
+            config = cls.parse(conf)
+        return config
 
     def roundup_divisions_for(self, size: int) -> int:
         """``CUDAAllocatorConfig::roundup_power2_divisions(size)``."""
@@ -219,8 +229,63 @@ def _parse_roundup_power2_divisions(value: str) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Blocks and pools
+# Blocks, pools, expandable segments
 # ---------------------------------------------------------------------------------------------
+
+DEFAULT_POOL: tuple[int, int] = (0, 0)  # MempoolId_t of the default pools
+# ExpandableSegment reserves address space for 1 1/8 of the device's memory; without a known
+# capacity the model assumes an 80 GiB device (only the unmapped tail's size depends on it).
+DEFAULT_DEVICE_MEMORY = 80 * GiB
+
+
+class ExpandableSegment:
+    """``struct ExpandableSegment``: a reserved virtual range ``[ptr, ptr + size())`` mapped page by page.
+
+    ``segment_size`` is the page: 2 MiB for a small pool, 20 MiB for a large one. ``handles[i]`` is True
+    while page ``i`` is mapped (physical memory behind it). ``map``/``unmap`` return ``(ptr, size)`` of
+    the pages actually (un)mapped; size 0 means nothing.
+    """
+
+    __slots__ = ("ptr", "segment_size", "max_handles", "stream", "handles")
+
+    def __init__(self, ptr: int, segment_size: int, address_space_size: int, stream: int) -> None:
+        self.ptr = ptr
+        self.segment_size = segment_size
+        self.max_handles = -(-address_space_size // segment_size)  # numSegments
+        self.stream = stream
+        self.handles: list[bool] = []
+
+    def size(self) -> int:
+        return self.max_handles * self.segment_size
+
+    def pages_to_map(self, ptr: int, size: int) -> range:
+        """Pages ``map(ptr, size)`` would map: ``[segmentLeft(ptr), segmentRight(ptr + size))``."""
+        return range((ptr - self.ptr) // self.segment_size, -(-(ptr + size - self.ptr) // self.segment_size))
+
+    def map(self, ptr: int, size: int) -> tuple[int, int]:
+        pages = self.pages_to_map(ptr, size)
+        assert self.ptr + pages.start * self.segment_size == ptr, "map() begins on a page boundary"
+        while len(self.handles) < pages.stop:
+            self.handles.append(False)
+        for i in pages:
+            assert not self.handles[i], "page already mapped"
+            self.handles[i] = True
+        return self.ptr + pages.start * self.segment_size, len(pages) * self.segment_size
+
+    def unmap(self, ptr: int, size: int) -> tuple[int, int]:
+        """Unmap every page lying wholly inside ``[ptr, ptr + size)``."""
+        begin = -(-(ptr - self.ptr) // self.segment_size)  # segmentRight(ptr)
+        end = (ptr + size - self.ptr) // self.segment_size  # segmentLeft(ptr + size)
+        if begin >= end:
+            return ptr, 0
+        for i in range(begin, end):
+            self.handles[i] = False
+        while self.handles and not self.handles[-1]:  # trimHandles
+            self.handles.pop()
+        return self.ptr + begin * self.segment_size, (end - begin) * self.segment_size
+
+    def mapped_bytes(self) -> int:
+        return sum(self.handles) * self.segment_size
 
 
 class Block:
@@ -228,9 +293,12 @@ class Block:
 
     Blocks of a segment form a doubly linked list by address (``prev``/``next``); a segment's first
     block has ``prev is None``. ``size`` is the block's bytes; ``requested_size`` the caller's bytes.
+    In an expandable segment the list covers the whole virtual range and ``mapped`` says whether the
+    block has physical pages behind it.
     """
 
-    __slots__ = ("stream", "pool", "address", "size", "requested_size", "allocated", "prev", "next", "gc_count_base")
+    __slots__ = ("stream", "pool", "address", "size", "requested_size", "allocated", "prev", "next",
+                 "gc_count_base", "mapped", "expandable_segment")
 
     def __init__(self, stream: int, size: int, pool: BlockPool, address: int) -> None:
         self.stream = stream
@@ -242,54 +310,97 @@ class Block:
         self.prev: Block | None = None
         self.next: Block | None = None
         self.gc_count_base = 0
+        self.mapped = True
+        self.expandable_segment: ExpandableSegment | None = None
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
+
+    def splice(self, before: Block | None, after: Block | None) -> None:
+        """``Block::splice``: insert self between ``before`` and ``after``."""
+        if before is not None:
+            before.next = self
+        self.prev = before
+        if after is not None:
+            after.prev = self
+        self.next = after
 
     def key(self) -> tuple[int, int, int]:
         """The pool's ordering: ``BlockComparatorSize`` (stream, size, address)."""
         return (self.stream, self.size, self.address)
 
     def __repr__(self) -> str:
-        state = "allocated" if self.allocated else "free"
+        state = "allocated" if self.allocated else ("free" if self.mapped else "unmapped")
         pool = "small" if self.pool.is_small else "large"
         return f"Block(addr=0x{self.address:x}, size={self.size}, {state}, pool={pool})"
 
 
 class BlockPool:
-    """Free blocks of one kind, ordered by (stream, size, address) (``struct BlockPool``)."""
+    """Free blocks of one kind, ordered by (stream, size, address) (``struct BlockPool``).
 
-    __slots__ = ("is_small", "blocks", "by_key", "get_free_blocks_call_count")
+    ``unmapped`` holds the unmapped blocks of expandable segments by (stream, address)
+    (``BlockComparatorAddress``); ``owner_private_pool`` is the :class:`PrivatePool` it belongs to, or
+    ``None`` for the default pools.
+    """
 
-    def __init__(self, is_small: bool) -> None:
+    __slots__ = ("is_small", "blocks", "by_key", "get_free_blocks_call_count", "unmapped", "unmapped_by_key",
+                 "owner_private_pool")
+
+    def __init__(self, is_small: bool, owner_private_pool: PrivatePool | None = None) -> None:
         self.is_small = is_small
-        self.blocks: SortedList = SortedList()  # keys (stream, size, address)
+        # Sorted lists of keys: bisect in C beats a balanced tree at the few hundred free blocks a pool holds.
+        self.blocks: list[tuple[int, int, int]] = []  # keys (stream, size, address), sorted
         self.by_key: dict[tuple[int, int, int], Block] = {}
         self.get_free_blocks_call_count = 0
+        self.unmapped: list[tuple[int, int]] = []  # keys (stream, address), sorted
+        self.unmapped_by_key: dict[tuple[int, int], Block] = {}
+        self.owner_private_pool = owner_private_pool
 
     def insert_into_blocks(self, block: Block) -> None:
         k = (block.stream, block.size, block.address)
-        self.blocks.add(k)
+        insort(self.blocks, k)
         self.by_key[k] = block
+        block.gc_count_base = self.get_free_blocks_call_count
 
     def erase(self, block: Block) -> None:
         k = (block.stream, block.size, block.address)
-        self.blocks.remove(k)
-        del self.by_key[k]
+        del self.by_key[k]  # first: a KeyError here, never a wrong deletion below
+        del self.blocks[bisect_left(self.blocks, k)]
+
+    def insert_unmapped(self, block: Block) -> None:
+        k = (block.stream, block.address)
+        insort(self.unmapped, k)
+        self.unmapped_by_key[k] = block
+
+    def erase_unmapped(self, block: Block) -> None:
+        k = (block.stream, block.address)
+        del self.unmapped_by_key[k]
+        del self.unmapped[bisect_left(self.unmapped, k)]
 
     def ordered(self) -> list[Block]:
         """Free blocks in pool order (a copy: callers may mutate the pool)."""
         return [self.by_key[k] for k in self.blocks]
 
+    def pool_id(self) -> tuple[int, int]:
+        return self.owner_private_pool.id if self.owner_private_pool is not None else DEFAULT_POOL
 
-@dataclass
-class SegmentEvent:
-    """A cudaMalloc (``segment_alloc``) or cudaFree (``segment_free``) made by the model."""
 
-    action: str  # "segment_alloc" | "segment_free"
-    address: int
-    size: int
-    stream: int
+class PrivatePool:
+    """``struct PrivatePool``: the BlockPools of one ``torch.cuda.MemPool`` or CUDA graph pool.
+
+    ``use_count``: holders (the MemPool object or graph, plus each open ``use_mem_pool`` region); while it
+    is above 0 ``empty_cache()`` leaves the pool's segments alone. ``cudaMalloc_count``: its segments
+    (or mapped pages) not yet returned.
+    """
+
+    __slots__ = ("id", "use_count", "cudaMalloc_count", "large_blocks", "small_blocks")
+
+    def __init__(self, pool_id: tuple[int, int]) -> None:
+        self.id = pool_id
+        self.use_count = 1
+        self.cudaMalloc_count = 0
+        self.large_blocks = BlockPool(is_small=False, owner_private_pool=self)
+        self.small_blocks = BlockPool(is_small=True, owner_private_pool=self)
 
 
 @dataclass
@@ -298,16 +409,19 @@ class AllocatorStats:
 
     allocated_bytes: int = 0  # sum of allocated blocks' sizes
     requested_bytes: int = 0  # sum of callers' requested sizes
-    reserved_bytes: int = 0  # sum of segment sizes
+    reserved_bytes: int = 0  # sum of segment sizes (mapped pages for expandable segments)
     inactive_split_bytes: int = 0  # free bytes inside split segments: PyTorch's fragmentation figure
     peak_allocated_bytes: int = 0
     peak_reserved_bytes: int = 0
     num_alloc_retries: int = 0
     num_ooms: int = 0
-    num_device_alloc: int = 0  # cudaMalloc calls
-    num_device_free: int = 0  # cudaFree calls
+    num_device_alloc: int = 0  # cudaMalloc calls and page mappings
+    num_device_free: int = 0  # cudaFree calls and page unmappings
     num_allocs: int = 0
     num_frees: int = 0
+
+
+SegmentObserver = Callable[[int, int, int], None]
 
 
 class CachingAllocatorModel:
@@ -316,35 +430,44 @@ class CachingAllocatorModel:
     Args:
         config: the allocator settings (see :meth:`AllocatorConfig.parse`).
         capacity: bytes the process may reserve (``set_per_process_memory_fraction`` x total memory,
-            or the device's memory); ``None`` = unlimited. A cudaMalloc past it fails, which drives the
-            retry path and, last, :class:`OutOfMemoryError`.
-        on_segment_alloc / on_segment_free: observers called as ``(address, size, stream)`` right after
-            the model's cudaMalloc / cudaFree; ``on_segment_alloc`` sees ``stats`` before the new
-            segment is counted by the caller's allocation (reserved already includes it).
+            or the device's free memory); ``None`` = unlimited. A cudaMalloc (or page mapping) past it
+            fails, which drives the retry path and, last, :class:`OutOfMemoryError`.
+        on_segment_alloc / on_segment_free / on_segment_map / on_segment_unmap: observers called as
+            ``(address, size, stream)`` right after the model's cudaMalloc / cudaFree / page mapping /
+            page unmapping; reserved already includes the change.
     """
 
     def __init__(
         self,
         config: AllocatorConfig | None = None,
         capacity: int | None = None,
-        on_segment_alloc: Callable[[int, int, int], None] | None = None,
-        on_segment_free: Callable[[int, int, int], None] | None = None,
+        on_segment_alloc: SegmentObserver | None = None,
+        on_segment_free: SegmentObserver | None = None,
+        on_segment_map: SegmentObserver | None = None,
+        on_segment_unmap: SegmentObserver | None = None,
     ) -> None:
         self.config = config or AllocatorConfig()
-        if self.config.expandable_segments:
-            raise AllocatorConfigError("expandable_segments:True is not modelled")
+        self._power2_rounding = any(d > 1 for d in self.config.roundup_power2_divisions)
         self.capacity = capacity
         self.small_blocks = BlockPool(is_small=True)
         self.large_blocks = BlockPool(is_small=False)
         self.active_blocks: dict[int, Block] = {}  # address -> allocated block
-        self.segments: dict[int, Block] = {}  # segment base address -> its first block
-        self.segment_sizes: dict[int, int] = {}
+        # segment base address -> its first block; an expandable segment is keyed by its virtual base
+        self.segments: dict[int, Block] = {}
+        self.segment_sizes: dict[int, int] = {}  # base -> cudaMalloc size (virtual size if expandable)
+        self.expandable_segments: dict[int, ExpandableSegment] = {}  # base -> segment
+        self.graph_pools: dict[tuple[int, int], PrivatePool] = {}
+        self.graph_pools_freeable: dict[tuple[int, int], PrivatePool] = {}
+        self.captures_underway: list[tuple[int, int]] = []  # pools allocations are diverted to
         self.stats = AllocatorStats()
         self.on_segment_alloc = on_segment_alloc
         self.on_segment_free = on_segment_free
-        # Address source for new segments: replay may anchor them to recorded addresses.
+        self.on_segment_map = on_segment_map
+        self.on_segment_unmap = on_segment_unmap
+        # Address source for new segments: replay may anchor them to recorded addresses. Called with the
+        # cudaMalloc size, or None for a new expandable segment (its virtual base).
         self._next_synthetic_address = 1 << 56  # far above real CUDA virtual addresses
-        self.address_for_new_segment: Callable[[int], int | None] | None = None
+        self.address_for_new_segment: Callable[[int | None], int | None] | None = None
         # Set by an anchored replay when the recorded run's first cudaMalloc for this request failed.
         self.fail_next_cuda_malloc = False
 
@@ -354,9 +477,10 @@ class CachingAllocatorModel:
         """``round_size``: the block size a request of ``size`` bytes gets."""
         if size < kMinBlockSize:
             return kMinBlockSize
-        divisions = self.config.roundup_divisions_for(size)
-        if divisions > 1 and size > kMinBlockSize * divisions:
-            return roundup_power2_next_division(size, divisions)
+        if self._power2_rounding:
+            divisions = self.config.roundup_divisions_for(size)
+            if divisions > 1 and size > kMinBlockSize * divisions:
+                return roundup_power2_next_division(size, divisions)
         return kMinBlockSize * ((size + kMinBlockSize - 1) // kMinBlockSize)
 
     @staticmethod
@@ -368,8 +492,49 @@ class CachingAllocatorModel:
             return kLargeBuffer
         return kRoundLarge * ((size + kRoundLarge - 1) // kRoundLarge)
 
-    def get_pool(self, size: int) -> BlockPool:
+    def get_pool(self, size: int, stream: int = 0) -> BlockPool:
+        """``get_pool``: a private pool's BlockPool while allocations are diverted to one (the first
+        entry of ``captures_underway``, as the C++ loop picks the first matching filter), else the
+        default small or large pool."""
+        if self.captures_underway:
+            pp = self.graph_pools[self.captures_underway[0]]
+            return pp.small_blocks if size <= kSmallSize else pp.large_blocks
         return self.small_blocks if size <= kSmallSize else self.large_blocks
+
+    # -- private pools (MemPool, use_mem_pool, CUDA graphs) ----------------------------------------
+
+    def create_or_incref_pool(self, pool_id: tuple[int, int]) -> PrivatePool:
+        """``create_or_incref_pool``: a new pool starts at use_count 1 (``MemPool`` construction)."""
+        pp = self.graph_pools.get(pool_id)
+        if pp is None:
+            pp = self.graph_pools[pool_id] = PrivatePool(pool_id)
+        else:
+            pp.use_count += 1
+        return pp
+
+    def begin_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
+        """``beginAllocateToPool`` (``use_mem_pool`` entry, ``CUDAGraph::capture_begin``).
+
+        Raises ``ValueError`` if allocations already go to that pool."""
+        if pool_id in self.captures_underway:
+            raise ValueError(f"beginAllocateToPool: already recording to mempool_id {pool_id}")
+        self.create_or_incref_pool(pool_id)
+        self.captures_underway.append(pool_id)
+
+    def end_allocate_to_pool(self, pool_id: tuple[int, int]) -> None:
+        """``endAllocateToPool``. Raises ``ValueError`` if allocations do not go to that pool."""
+        if pool_id not in self.captures_underway:
+            raise ValueError(f"endAllocateToPool: not currently recording to mempool_id {pool_id}")
+        self.captures_underway.remove(pool_id)
+
+    def release_pool(self, pool_id: tuple[int, int]) -> None:
+        """``releasePool``: drop one holder; at use_count 0 empty_cache may return the pool's memory."""
+        pp = self.graph_pools.get(pool_id)
+        if pp is None:
+            raise ValueError(f"releasePool: no pool with mempool_id {pool_id}")
+        pp.use_count -= 1
+        if pp.use_count == 0:
+            self.graph_pools_freeable[pool_id] = pp
 
     # -- the allocation path ----------------------------------------------------------------------
 
@@ -379,18 +544,19 @@ class CachingAllocatorModel:
         Raises :class:`OutOfMemoryError` when the miss path cannot get memory; ``num_ooms`` counts it.
         """
         size = self.round_size(orig_size)
-        pool = self.get_pool(size)
+        pool = self.get_pool(size, stream)
         alloc_size = self.get_allocation_size(size)
         block = self.get_free_block(pool, size, stream)
         if block is None:
             if self.config.garbage_collection_threshold > 0.0 and self.capacity is not None:
                 self.garbage_collect_cached_blocks()
             block = (
-                self.alloc_block(pool, alloc_size, stream, is_retry=False)
+                self.alloc_block(pool, size, alloc_size, stream, is_retry=False)
                 or (self.release_available_cached_blocks(pool, size, stream)
-                    and self.alloc_block(pool, alloc_size, stream, is_retry=False))
-                or (self.release_cached_blocks()
-                    and self.alloc_block(pool, alloc_size, stream, is_retry=True))
+                    and self.alloc_block(pool, size, alloc_size, stream, is_retry=False))
+                or (not self.captures_underway
+                    and self.release_cached_blocks()
+                    and self.alloc_block(pool, size, alloc_size, stream, is_retry=True))
             )
             if not block:
                 self.stats.num_ooms += 1
@@ -415,12 +581,32 @@ class CachingAllocatorModel:
     def _find_free_block(self, pool: BlockPool, size: int, stream: int) -> int:
         """Position in ``pool.blocks`` of the block ``get_free_block`` would take, or -1."""
         blocks = pool.blocks
-        i = blocks.bisect_left((stream, size, 0))
-        if i == len(blocks):
+        n = len(blocks)
+        i = bisect_left(blocks, (stream, size, 0))
+        if i == n:
             return -1
         k = blocks[i]
         if k[0] != stream:
             return -1
+        by_key = pool.by_key
+        if self.expandable_segments and by_key[k].expandable_segment is not None:
+            if self.config.expandable_segments:
+                # A free block followed by unmapped space counts as the size it can expand to.
+                def expandable_size(b: Block) -> int:
+                    nxt = b.next
+                    return b.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+                j = i + 1
+                while (by_key[blocks[i]].expandable_segment is not None and j < n and blocks[j][0] == stream
+                       and expandable_size(by_key[blocks[j]]) < expandable_size(by_key[blocks[i]])):
+                    i, j = j, j + 1
+            else:  # expandable_segments turned off later: only ordinary blocks qualify
+                i += 1
+                while i < n and by_key[blocks[i]].expandable_segment is not None and blocks[i][0] == stream:
+                    i += 1
+                if i == n or blocks[i][0] != stream:
+                    return -1
+            k = blocks[i]
         ms = self.config.max_split_size
         if size < ms and k[1] >= ms:
             return -1
@@ -431,36 +617,45 @@ class CachingAllocatorModel:
     def can_serve_from_cache(self, orig_size: int, stream: int = 0) -> bool:
         """Would ``malloc(orig_size)`` find a cached block now (no cudaMalloc)? Changes nothing."""
         size = self.round_size(orig_size)
-        return self._find_free_block(self.get_pool(size), size, stream) >= 0
+        return self._find_free_block(self.get_pool(size, stream), size, stream) >= 0
 
     def should_split(self, block: Block, size: int) -> bool:
         remaining = block.size - size
-        if block.pool.is_small:
+        if block.pool.is_small or self.config.expandable_segments:
             return remaining >= kMinBlockSize
         return size < self.config.max_split_size and remaining > kSmallSize
 
+    def _set_head(self, block: Block) -> None:
+        """Record ``block`` as its segment's first block (the C++ walks ``prev``; the model keeps a map)."""
+        es = block.expandable_segment
+        self.segments[es.ptr if es is not None else block.address] = block
+
     def alloc_found_block(self, block: Block, size: int, orig_size: int, split_remainder: bool) -> Block:
-        """``alloc_found_block``: split off the low ``size`` bytes if asked, mark allocated."""
+        """``alloc_found_block``: split off the low ``size`` bytes if asked, mark allocated.
+
+        ``inactive_split_bytes`` leaves expandable segments out, as the C++ does."""
         st = self.stats
         already_split = block.is_split()
+        expandable = block.expandable_segment is not None
         if split_remainder:
             remaining = block
             block = Block(remaining.stream, size, remaining.pool, remaining.address)
+            block.expandable_segment = remaining.expandable_segment
             block.prev = remaining.prev
             if block.prev is not None:
                 block.prev.next = block
             else:
-                self.segments[block.address] = block
+                self._set_head(block)
             block.next = remaining
             remaining.prev = block
             remaining.address += size
             remaining.size -= size
             remaining.pool.insert_into_blocks(remaining)
-            if already_split:
+            if already_split and not expandable:
                 st.inactive_split_bytes -= block.size  # the remainder stays an inactive split
-            else:
+            elif not expandable:
                 st.inactive_split_bytes += remaining.size
-        elif already_split:
+        elif already_split and not expandable:
             st.inactive_split_bytes -= block.size
         block.allocated = True
         block.requested_size = orig_size
@@ -472,20 +667,32 @@ class CachingAllocatorModel:
             st.peak_allocated_bytes = st.allocated_bytes
         return block
 
-    def alloc_block(self, pool: BlockPool, alloc_size: int, stream: int, is_retry: bool) -> Block | None:
-        """``alloc_block``: one cudaMalloc of ``alloc_size`` bytes, or ``None`` if the device refuses."""
+    def _new_address(self, size: int | None, span: int) -> int:
+        address = self.address_for_new_segment(size) if self.address_for_new_segment else None
+        if address is None:
+            address = self._next_synthetic_address
+            self._next_synthetic_address += span + kRoundLarge
+        return address
+
+    def alloc_block(self, pool: BlockPool, size: int, alloc_size: int, stream: int, is_retry: bool) -> Block | None:
+        """``alloc_block``: one cudaMalloc of ``alloc_size`` bytes (or, with expandable segments, map
+        pages for ``size`` bytes); ``None`` if the device refuses."""
         st = self.stats
         if is_retry:
             st.num_alloc_retries += 1
         if self.fail_next_cuda_malloc:
             self.fail_next_cuda_malloc = False  # anchored replay: the recorded run failed here
             return None
+        if self.config.expandable_segments:
+            block = self.try_allocate_expandable_block(stream, pool, size)
+            if block is not None and pool.owner_private_pool is not None:
+                pool.owner_private_pool.cudaMalloc_count += 1
+            return block
         if self.capacity is not None and st.reserved_bytes + alloc_size > self.capacity:
             return None
-        address = self.address_for_new_segment(alloc_size) if self.address_for_new_segment else None
-        if address is None:
-            address = self._next_synthetic_address
-            self._next_synthetic_address += alloc_size + kRoundLarge
+        if pool.owner_private_pool is not None:
+            pool.owner_private_pool.cudaMalloc_count += 1
+        address = self._new_address(alloc_size, alloc_size)
         block = Block(stream, alloc_size, pool, address)
         self.segments[address] = block
         self.segment_sizes[address] = alloc_size
@@ -496,6 +703,141 @@ class CachingAllocatorModel:
         if self.on_segment_alloc is not None:
             self.on_segment_alloc(address, alloc_size, stream)
         return block
+
+    # -- expandable segments ---------------------------------------------------------------------
+
+    def find_expandable_block(self, stream: int, pool: BlockPool, size: int) -> Block:
+        """``find_expandable_block``: the lowest-address run of free and unmapped blocks with room for
+        ``size`` bytes in one of this (stream, pool)'s expandable segments, or a new segment's whole
+        unmapped range."""
+
+        def allocatable(b: Block | None) -> bool:
+            return b is not None and not b.allocated
+
+        def has_available_address_space(b: Block | None) -> bool:
+            total = 0
+            while total < size and allocatable(b):
+                total += b.size  # type: ignore[union-attr]
+                b = b.next  # type: ignore[union-attr]
+            return total >= size
+
+        keys = pool.unmapped
+        i = bisect_left(keys, (stream, 0))
+        while i < len(keys) and keys[i][0] == stream:
+            c = pool.unmapped_by_key[keys[i]]
+            if allocatable(c.prev):
+                c = c.prev  # type: ignore[assignment]
+            if has_available_address_space(c):
+                return c
+            i += 1
+        segment_size = kSmallBuffer if pool.is_small else kLargeBuffer
+        total = self.capacity if self.capacity is not None else DEFAULT_DEVICE_MEMORY
+        address_space_size = total + total // 8
+        probe = ExpandableSegment(0, segment_size, address_space_size, stream)
+        ptr = self._new_address(None, probe.size())
+        es = ExpandableSegment(ptr, segment_size, address_space_size, stream)
+        self.expandable_segments[ptr] = es
+        candidate = Block(stream, es.size(), pool, ptr)
+        candidate.mapped = False
+        candidate.expandable_segment = es
+        pool.insert_unmapped(candidate)
+        self.segments[ptr] = candidate
+        self.segment_sizes[ptr] = es.size()
+        return candidate
+
+    def map_block(self, to_map: Block, size: int) -> bool:
+        """``map_block``: map the pages covering ``[to_map.address, + size)``; False if the device
+        (``capacity``) cannot back them."""
+        es = to_map.expandable_segment
+        assert es is not None and not to_map.mapped and size <= to_map.size
+        st = self.stats
+        pages = es.pages_to_map(to_map.address, size)
+        if self.capacity is not None and st.reserved_bytes + len(pages) * es.segment_size > self.capacity:
+            return False  # cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY
+        mapped_ptr, mapped_size = es.map(to_map.address, size)
+        pool = to_map.pool
+        pool.erase_unmapped(to_map)
+        to_map.mapped = True
+        if mapped_size < to_map.size:
+            remaining = Block(to_map.stream, to_map.size - mapped_size, pool, to_map.address + mapped_size)
+            remaining.mapped = False
+            remaining.expandable_segment = es
+            remaining.splice(to_map, to_map.next)
+            pool.insert_unmapped(remaining)
+            to_map.size = mapped_size
+        self.try_merge_blocks(to_map, to_map.prev, pool)
+        self.try_merge_blocks(to_map, to_map.next, pool)
+        pool.insert_into_blocks(to_map)
+        st.reserved_bytes += mapped_size
+        if st.reserved_bytes > st.peak_reserved_bytes:
+            st.peak_reserved_bytes = st.reserved_bytes
+        st.num_device_alloc += 1
+        if self.on_segment_map is not None:
+            self.on_segment_map(mapped_ptr, mapped_size, to_map.stream)
+        return True
+
+    def try_allocate_expandable_block(self, stream: int, pool: BlockPool, size: int) -> Block | None:
+        """``try_allocate_expandable_block``: a free block of at least ``size`` bytes made by mapping
+        pages after (or filling gaps before) free space, taken out of the pool; ``None`` if a map failed."""
+        candidate = self.find_expandable_block(stream, pool, size)
+        if not candidate.mapped and not self.map_block(candidate, min(candidate.size, size)):
+            return None
+        while candidate.size < size:
+            remaining = size - candidate.size
+            new_candidate = candidate.next
+            assert new_candidate is not None
+            if not self.map_block(new_candidate, min(remaining, new_candidate.size)):
+                return None
+            candidate = new_candidate
+        pool.erase(candidate)
+        return candidate
+
+    def unmap_block(self, block: Block) -> None:
+        """``unmap_block``: unmap the whole pages inside a free block; the partial pages at either end
+        stay mapped as free blocks of their own."""
+        es = block.expandable_segment
+        assert es is not None
+        u_ptr, u_size = es.unmap(block.address, block.size)
+        if u_size == 0:
+            return
+        pool = block.pool
+        pool.erase(block)
+        before_size = u_ptr - block.address
+        if before_size > 0:
+            before_free = Block(block.stream, before_size, pool, block.address)
+            before_free.expandable_segment = es
+            before_free.splice(block.prev, block)
+            pool.insert_into_blocks(before_free)
+            if before_free.prev is None:
+                self._set_head(before_free)
+        after_size = block.size - (before_size + u_size)
+        if after_size > 0:
+            after_free = Block(block.stream, after_size, pool, u_ptr + u_size)
+            after_free.expandable_segment = es
+            after_free.splice(block, block.next)
+            pool.insert_into_blocks(after_free)
+        block.address = u_ptr
+        block.size = u_size
+        block.mapped = False
+        self.try_merge_blocks(block, block.prev, pool)
+        self.try_merge_blocks(block, block.next, pool)
+        pool.insert_unmapped(block)
+        st = self.stats
+        st.reserved_bytes -= u_size
+        if pool.owner_private_pool is not None:
+            pool.owner_private_pool.cudaMalloc_count -= 1
+        st.num_device_free += 1
+        if self.on_segment_unmap is not None:
+            self.on_segment_unmap(u_ptr, u_size, block.stream)
+
+    def release_expandable_segment(self, block: Block) -> None:
+        """``release_expandable_segment``: give back the virtual range of a fully unmapped segment."""
+        es = block.expandable_segment
+        assert es is not None and block.size == es.size() and not block.mapped
+        block.pool.erase_unmapped(block)
+        del self.expandable_segments[es.ptr]
+        del self.segments[es.ptr]
+        del self.segment_sizes[es.ptr]
 
     # -- the free path ----------------------------------------------------------------------------
 
@@ -515,18 +857,19 @@ class CachingAllocatorModel:
         """``free_block``: merge with free neighbours, reinsert into the pool."""
         st = self.stats
         pool = block.pool
+        expandable = block.expandable_segment is not None
         for candidate in (block.prev, block.next):
             subsumed = self.try_merge_blocks(block, candidate, pool)
-            if subsumed:
+            if subsumed and not expandable:
                 st.inactive_split_bytes -= subsumed
         pool.insert_into_blocks(block)
-        block.gc_count_base = pool.get_free_blocks_call_count
-        if block.is_split():
+        if block.is_split() and not expandable:
             st.inactive_split_bytes += block.size
 
     def try_merge_blocks(self, dst: Block, src: Block | None, pool: BlockPool) -> int:
-        """``try_merge_blocks``: fold free ``src`` into ``dst``; returns the bytes subsumed (0 if none)."""
-        if src is None or src.allocated:
+        """``try_merge_blocks``: fold free ``src`` into ``dst`` (both mapped or both unmapped); returns the
+        bytes subsumed (0 if none)."""
+        if src is None or src.allocated or dst.mapped != src.mapped:
             return 0
         if dst.prev is src:  # [src dst]
             dst.address = src.address
@@ -534,23 +877,29 @@ class CachingAllocatorModel:
             if dst.prev is not None:
                 dst.prev.next = dst
             else:
-                self.segments[dst.address] = dst
+                self._set_head(dst)
         else:  # [dst src]
             dst.next = src.next
             if dst.next is not None:
                 dst.next.prev = dst
         subsumed = src.size
         dst.size += subsumed
-        pool.erase(src)
+        if src.mapped:
+            pool.erase(src)
+        else:
+            pool.erase_unmapped(src)
         return subsumed
 
     # -- releasing cached memory -----------------------------------------------------------------
 
     def release_block(self, block: Block) -> None:
         """``release_block``: cudaFree a whole free segment."""
-        block.pool.erase(block)
+        pool = block.pool
+        pool.erase(block)
         del self.segments[block.address]
         del self.segment_sizes[block.address]
+        if pool.owner_private_pool is not None:
+            pool.owner_private_pool.cudaMalloc_count -= 1
         st = self.stats
         st.reserved_bytes -= block.size
         st.num_device_free += 1
@@ -558,27 +907,53 @@ class CachingAllocatorModel:
             self.on_segment_free(block.address, block.size, block.stream)
 
     def release_blocks(self, pool: BlockPool) -> None:
-        """``release_blocks``: every unsplit free block of ``pool``, in pool order."""
+        """``release_blocks``: every unsplit free block of ``pool`` in pool order, then the whole free
+        pages of its expandable segments (and a segment left with no mapped page)."""
+        to_unmap = []
         for block in pool.ordered():
-            if block.prev is None and block.next is None:
+            if block.expandable_segment is not None:
+                to_unmap.append(block)
+            elif block.prev is None and block.next is None:
                 self.release_block(block)
+        for block in to_unmap:
+            self.unmap_block(block)
+            if block.prev is None and block.next is None:
+                self.release_expandable_segment(block)
 
-    def release_cached_blocks(self) -> bool:
-        """``release_cached_blocks`` = ``torch.cuda.empty_cache()``: large pool, then small."""
-        self.release_blocks(self.large_blocks)
-        self.release_blocks(self.small_blocks)
+    def release_cached_blocks(self, mempool_id: tuple[int, int] = DEFAULT_POOL) -> bool:
+        """``release_cached_blocks(context, mempool_id)`` (2.6+) = ``torch.cuda.empty_cache()``.
+
+        For the default id and no diversion to a pool underway: the default large pool, then the small
+        one. Then every private pool nobody holds any more (``use_count`` 0): its small pool, then its
+        large pool; a pool with nothing left is forgotten. A non-default id limits the second part to
+        that pool.
+        """
+        if mempool_id == DEFAULT_POOL and not self.captures_underway:
+            self.release_blocks(self.large_blocks)
+            self.release_blocks(self.small_blocks)
+        for pid, pp in list(self.graph_pools_freeable.items()):
+            if mempool_id != DEFAULT_POOL and pid != mempool_id:
+                continue
+            self.release_blocks(pp.small_blocks)
+            self.release_blocks(pp.large_blocks)
+            if pp.cudaMalloc_count == 0:
+                del self.graph_pools[pid]
+                del self.graph_pools_freeable[pid]
         return True
 
-    empty_cache = release_cached_blocks
+    def empty_cache(self, mempool_id: tuple[int, int] = DEFAULT_POOL) -> None:
+        """``torch.cuda.empty_cache()`` (``emptyCache(mempool_id)``)."""
+        self.release_cached_blocks(mempool_id)
 
     def release_available_cached_blocks(self, pool: BlockPool, size: int, stream: int) -> bool:
-        """``release_available_cached_blocks``: free oversize (>= max_split_size) blocks; only with MS set."""
+        """``release_available_cached_blocks``: free oversize (>= max_split_size) blocks; only with MS set.
+        Blocks of expandable segments are skipped (2.8+)."""
         ms = self.config.max_split_size
         if ms == UNLIMITED:
             return False
         key_size = ms if size < ms else size
         blocks = pool.blocks
-        i = blocks.bisect_left((stream, key_size, 0))
+        i = bisect_left(blocks, (stream, key_size, 0))
         if i == len(blocks) or blocks[i][0] != stream:
             if i == 0:
                 return False
@@ -589,14 +964,18 @@ class CachingAllocatorModel:
                 is_first = i == 0
                 if not is_first:
                     i -= 1
-                total_released += cur.size
-                self.release_block(cur)
+                if cur.expandable_segment is None:
+                    total_released += cur.size
+                    self.release_block(cur)
                 if is_first:
                     break
             if total_released < key_size:
                 return False
         else:
-            self.release_block(pool.by_key[blocks[i]])
+            cur = pool.by_key[blocks[i]]
+            if cur.expandable_segment is not None:
+                return False
+            self.release_block(cur)
         return True
 
     def garbage_collect_cached_blocks(self) -> None:
@@ -633,18 +1012,22 @@ class CachingAllocatorModel:
     def import_segment(
         self, address: int, total_size: int, stream: int, is_small: bool,
         live_blocks: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+        pool_id: tuple[int, int] = DEFAULT_POOL,
     ) -> None:
-        """Recreate a segment that existed before a trace began.
+        """Recreate a (cudaMalloc'd) segment that existed before a trace began.
 
         ``live_blocks`` are ``(address, size, requested_size)`` of blocks allocated at that moment, inside
         ``[address, address + total_size)``; the gaps between them become free (merged) blocks.
+        ``pool_id`` is the segment's ``segment_pool_id`` (a private pool is created, held once).
         Raises ``ValueError`` if a live block lies outside the segment or overlaps another.
         """
-        pool = self.small_blocks if is_small else self.large_blocks
+        if pool_id == DEFAULT_POOL:
+            pool = self.small_blocks if is_small else self.large_blocks
+        else:
+            pp = self.graph_pools.get(pool_id) or self.create_or_incref_pool(pool_id)
+            pool = pp.small_blocks if is_small else pp.large_blocks
+            pp.cudaMalloc_count += 1
         st = self.stats
-        self.segment_sizes[address] = total_size
-        st.reserved_bytes += total_size
-        st.peak_reserved_bytes = max(st.peak_reserved_bytes, st.reserved_bytes)
         cursor, prev = address, None
         end = address + total_size
         pieces: list[tuple[int, int, int | None]] = []
@@ -657,6 +1040,9 @@ class CachingAllocatorModel:
             cursor = b_addr + b_size
         if cursor < end:
             pieces.append((cursor, end - cursor, None))
+        self.segment_sizes[address] = total_size
+        st.reserved_bytes += total_size
+        st.peak_reserved_bytes = max(st.peak_reserved_bytes, st.reserved_bytes)
         for p_addr, p_size, p_req in pieces:
             b = Block(stream, p_size, pool, p_addr)
             b.prev = prev
@@ -685,60 +1071,97 @@ class CachingAllocatorModel:
             b = b.next
         return out
 
-    def snapshot_segments(self) -> list[dict]:
-        """The device's segments in ``torch.cuda.memory._snapshot()['segments']`` form, by address."""
+    def snapshot_segments(self, device: int = 0) -> list[dict]:
+        """The device's segments in ``torch.cuda.memory._snapshot()['segments']`` form, by address.
+
+        An expandable segment gives one entry per contiguous mapped range, as ``snapshot()`` does."""
         out = []
         for address in sorted(self.segments):
             blocks = self._segment_blocks(address)
-            first = blocks[0]
-            out.append({
-                "device": 0,
-                "address": address,
-                "total_size": self.segment_sizes[address],
-                "allocated_size": sum(b.size for b in blocks if b.allocated),
-                "active_size": sum(b.size for b in blocks if b.allocated),
-                "requested_size": sum(b.requested_size for b in blocks if b.allocated),
-                "stream": first.stream,
-                "segment_type": "small" if first.pool.is_small else "large",
-                "segment_pool_id": (0, 0),
-                "is_expandable": False,
-                "frames": [],
-                "blocks": [
-                    {"address": b.address, "size": b.size, "requested_size": b.requested_size if b.allocated else 0,
-                     "state": "active_allocated" if b.allocated else "inactive", "frames": []}
-                    for b in blocks
-                ],
-            })
+            runs: list[list[Block]] = []
+            for b in blocks:
+                if not b.mapped:
+                    continue
+                if runs and b.prev is runs[-1][-1]:
+                    runs[-1].append(b)
+                else:
+                    runs.append([b])
+            for run in runs:
+                first = run[0]
+                out.append({
+                    "device": device,
+                    "address": first.address,
+                    "total_size": sum(b.size for b in run),
+                    "allocated_size": sum(b.size for b in run if b.allocated),
+                    "active_size": sum(b.size for b in run if b.allocated),
+                    "requested_size": sum(b.requested_size for b in run if b.allocated),
+                    "stream": first.stream,
+                    "segment_type": "small" if first.pool.is_small else "large",
+                    "segment_pool_id": first.pool.pool_id(),
+                    "is_expandable": first.expandable_segment is not None,
+                    "frames": [],
+                    "blocks": [
+                        {"address": b.address, "size": b.size,
+                         "requested_size": b.requested_size if b.allocated else 0,
+                         "state": "active_allocated" if b.allocated else "inactive", "frames": []}
+                        for b in run
+                    ],
+                })
         return out
+
+    def all_block_pools(self) -> list[BlockPool]:
+        pools = [self.large_blocks, self.small_blocks]
+        for pp in self.graph_pools.values():
+            pools += [pp.large_blocks, pp.small_blocks]
+        return pools
 
     def check_invariants(self) -> None:
         """Assert the structural invariants (used by property tests); raises ``AssertionError``."""
         allocated = 0
         reserved = 0
         inactive_split = 0
+        free_mapped = free_unmapped = 0
         for address, first in self.segments.items():
             assert first.prev is None and first.address == address
-            total, b, prev_free = 0, first, False
+            es = self.expandable_segments.get(address)
+            total, b, prev_free, prev_mapped = 0, first, False, True
             while b is not None:
                 assert b.address == address + total, "blocks are contiguous"
+                assert b.expandable_segment is es and b.pool is first.pool
                 total += b.size
+                if b.mapped:
+                    reserved += b.size
+                if es is not None:  # mapped blocks lie on mapped pages; unmapped ones are whole unmapped pages
+                    pages = es.pages_to_map(b.address, b.size)
+                    if b.mapped:
+                        assert all(i < len(es.handles) and es.handles[i] for i in pages), "mapped block on a page"
+                    else:
+                        assert (b.address - es.ptr) % es.segment_size == 0 and b.size % es.segment_size == 0
+                        assert not any(es.handles[i] for i in pages if i < len(es.handles)), "unmapped pages"
                 if b.allocated:
                     allocated += b.size
                     prev_free = False
                 else:
-                    assert not prev_free, "two adjacent free blocks"
-                    prev_free = True
-                    assert b.pool.by_key.get(b.key()) is b, "free block is in its pool"
-                    if b.is_split():
-                        inactive_split += b.size
+                    assert not (prev_free and prev_mapped == b.mapped), "two adjacent free blocks"
+                    prev_free, prev_mapped = True, b.mapped
+                    if b.mapped:
+                        free_mapped += 1
+                        assert b.pool.by_key.get(b.key()) is b, "free block is in its pool"
+                        if b.is_split() and es is None:
+                            inactive_split += b.size
+                    else:
+                        free_unmapped += 1
+                        assert b.pool.unmapped_by_key.get((b.stream, b.address)) is b, "unmapped block is listed"
                 b = b.next
             assert total == self.segment_sizes[address]
-            reserved += total
+            if es is not None:
+                assert es.mapped_bytes() == sum(x.size for x in _iter_chain(first) if x.mapped)
         assert allocated == self.stats.allocated_bytes
         assert reserved == self.stats.reserved_bytes
         assert inactive_split == self.stats.inactive_split_bytes
-        assert len(self.small_blocks.blocks) + len(self.large_blocks.blocks) == sum(
-            1 for f in self.segments.values() for b in _iter_chain(f) if not b.allocated)
+        pools = self.all_block_pools()
+        assert sum(len(p.blocks) for p in pools) == free_mapped
+        assert sum(len(p.unmapped) for p in pools) == free_unmapped
 
 
 def _iter_chain(b: Block | None):
@@ -757,4 +1180,3 @@ def roundup_power2_next_division(size: int, divisions: int) -> int:
         return power2_floor << 1
     round_size_floor = size & ~(power2_division - 1)
     return size if round_size_floor == size else round_size_floor + power2_division
-

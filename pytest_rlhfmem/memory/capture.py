@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
 from .trace import (
-    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, Event, Trace, trace_from_snapshot,
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, POOL_ENTER, POOL_EXIT, Event, Trace,
+    trace_from_snapshot,
 )
 
 _MARK = "rlhfmem::mark::"
@@ -159,6 +160,16 @@ class Recorder:
             torch.cuda.empty_cache()
         self._mark(FLUSH, point)
 
+    @contextlib.contextmanager
+    def mem_pool(self, pool_id: tuple[int, int]) -> Iterator[None]:
+        """Allocations inside go to private pool ``pool_id`` (``torch.cuda.use_mem_pool``'s region): a
+        POOL_ENTER/POOL_EXIT pair in a CPU trace; a CUDA snapshot carries ``segment_pool_id`` itself."""
+        self._mark(POOL_ENTER, pool_id)
+        try:
+            yield
+        finally:
+            self._mark(POOL_EXIT, pool_id)
+
     def host_resident(self, tensors: Iterable) -> None:
         st = _storages(tensors)
         self.host_bytes_annotated += sum(n for _, n in st)
@@ -236,6 +247,8 @@ class Recorder:
             mkind, payload = self._marks[a]
             if mkind in (PHASE, FLUSH):
                 out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
+            elif mkind in (POOL_ENTER, POOL_EXIT):
+                out.append(Event(mkind, payload[0], payload[1], 0, t_us))  # type: ignore[index]
             elif mkind == "host_resident":
                 for ptr, _n in payload:  # type: ignore[union-attr]
                     i = live.pop(ptr, None)

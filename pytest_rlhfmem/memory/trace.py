@@ -13,20 +13,33 @@ Snapshot format followed: ``torch/cuda/memory.py`` (``_snapshot``), ``torch/cuda
 from __future__ import annotations
 
 import bisect
+import functools
 import io
+import operator
 import pickle
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .allocator import AllocatorConfig, CachingAllocatorModel, kSmallBuffer, kSmallSize
+from .allocator import (
+    DEFAULT_POOL, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer, kSmallSize,
+)
 
 # Event actions. ALLOC/FREE carry the REQUESTED size; SEGMENT_* the segment size.
 ALLOC = "alloc"
 FREE = "free"  # free_completed: the moment the block went back to its pool
 SEGMENT_ALLOC = "segment_alloc"
 SEGMENT_FREE = "segment_free"
-OOM = "oom"
+SEGMENT_MAP = "segment_map"  # expandable segments: pages mapped (addr, size of the pages)
+SEGMENT_UNMAP = "segment_unmap"
+OOM = "oom"  # a failed malloc: addr = the device's free bytes then (cudaMemGetInfo), size = rounded request
+# Private pools: allocations between POOL_ENTER and POOL_EXIT go to the pool (addr, size) = its
+# MempoolId_t, as inside ``with torch.cuda.use_mem_pool(pool)`` or a CUDA-graph capture. After POOL_EXIT
+# the pool stays held (by its MemPool object or graph) until a POOL_RELEASE (the MemPool is destroyed).
+POOL_ENTER = "pool_enter"
+POOL_EXIT = "pool_exit"
+POOL_RELEASE = "pool_release"
 PHASE = "phase"  # a phase begins (name); the previous one ends
 FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which policy point)
 
@@ -49,7 +62,7 @@ class Event(NamedTuple):
 class SegmentState:
     """A segment that existed before the trace began, with the blocks then allocated.
 
-    ``live_blocks`` are ``(address, block size, requested size)``.
+    ``live_blocks`` are ``(address, block size, requested size)``; ``pool_id`` its ``segment_pool_id``.
     """
 
     address: int
@@ -57,6 +70,7 @@ class SegmentState:
     stream: int
     is_small: bool
     live_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    pool_id: tuple[int, int] = DEFAULT_POOL
 
 
 @dataclass
@@ -73,9 +87,13 @@ class Trace:
     allocator_settings: dict | None = None
     capture: str = CAPTURE_SYNTHETIC
     source: str = ""
+    device: int = 0  # the device whose trace this is (a snapshot holds one trace per device)
 
     def has_segment_events(self) -> bool:
-        return any(e.action in (SEGMENT_ALLOC, SEGMENT_FREE) for e in self.events)
+        return any(e.action in _SEGMENT_ACTIONS for e in self.events)
+
+
+_SEGMENT_ACTIONS = (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)
 
 
 class SnapshotError(ValueError):
@@ -120,11 +138,18 @@ def load_snapshot(path: str | Path) -> dict:
     return snap
 
 
-def _pick_device(snap: dict, device: int | None) -> int:
+def _pick_device(snap: dict, device: int | None, source: str) -> int:
     traces = snap.get("device_traces") or []
+    if not isinstance(traces, list):
+        raise SnapshotError(f"{source}: 'device_traces' is a {type(traces).__name__}, not a list per device")
     if device is not None:
-        if device >= max(len(traces), 1):
-            raise SnapshotError(f"device {device} not in snapshot (it has {len(traces)} device traces)")
+        with_events = [i for i, t in enumerate(traces) if t]
+        if device < 0 or (traces and device >= len(traces)):
+            raise SnapshotError(f"{source}: device {device} not in snapshot (it has {len(traces)} device traces; "
+                                f"devices with events: {with_events})")
+        if traces and not traces[device] and not any(s.get("device", 0) == device for s in snap["segments"]):
+            raise SnapshotError(f"{source}: device {device} has no trace events and no segments, nothing to "
+                                f"replay (devices with events: {with_events})")
         return device
     if traces:
         return max(range(len(traces)), key=lambda i: len(traces[i] or []))
@@ -134,41 +159,163 @@ def _pick_device(snap: dict, device: int | None) -> int:
 
 def trace_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
                         source: str = "") -> Trace:
-    """Turn a snapshot dict into a :class:`Trace` for one device (default: the longest trace).
+    """Turn a snapshot dict into a :class:`Trace` for one device (default: the one with most events).
 
-    Handles every 2.x trace variant: ``free_completed`` (or the old single ``free``) is the moment of
-    free, ``free_requested`` is ignored, ``snapshot`` entries are skipped, missing ``stream``/``time_us``
-    default to 0. Segments that existed before the trace began are rebuilt from the final ``segments``
-    plus blocks freed in the trace that were never allocated in it (their block size is the rounded
-    request, extended over a gap the allocator could not have left free). ``config`` gives the rounding
-    (default: the snapshot's own ``allocator_settings``).
-    Raises :class:`SnapshotError` if the trace contradicts the final segments.
+    Handles every format PyTorch 1.13 to 2.9 writes: ``free_completed`` (or the old single ``free``) is
+    the moment of free, ``free_requested`` and ``snapshot`` entries are skipped, missing
+    ``stream``/``time_us`` default to 0, blocks without ``address`` (older files) get the segment's
+    address plus the sizes of the blocks before them, ``segment_map``/``segment_unmap`` (expandable
+    segments) and ``oom`` (its ``addr`` is the device's free bytes) are kept. Segments that existed
+    before the trace began are rebuilt from the final ``segments`` plus blocks freed in the trace that
+    were never allocated in it (their block size is the rounded request, extended over a gap the
+    allocator could not have left free). Allocations that landed in a private pool's segment
+    (``segment_pool_id`` other than (0, 0)) are bracketed by POOL_ENTER/POOL_EXIT markers.
+    ``config`` gives the rounding (default: the snapshot's own ``allocator_settings``).
+
+    Raises :class:`SnapshotError` (one line naming ``source`` and the reason) for a device not in the
+    file, malformed entries, or a trace that contradicts the final segments.
     """
-    dev = _pick_device(snap, device)
+    src = source or "snapshot"
+    try:
+        return _trace_from_snapshot(snap, device, config, src)
+    except SnapshotError:
+        raise
+    except AllocatorConfigError as exc:
+        raise SnapshotError(f"{src}: allocator_settings: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise SnapshotError(f"{src}: malformed snapshot entry ({type(exc).__name__}: {exc})") from None
+
+
+def _int(v: object) -> int:
+    return int(v or 0)  # type: ignore[call-overload]
+
+
+def _normalize_segment(seg: dict, src: str) -> dict:
+    """A segment dict in today's form: every block has ``address`` and ``state``, the pool id is a tuple."""
+    out = dict(seg)
+    address, total = _int(seg["address"]), _int(seg["total_size"])
+    out["address"], out["total_size"] = address, total
+    pid = seg.get("segment_pool_id") or (0, 0)
+    out["segment_pool_id"] = (int(pid[0]), int(pid[1]))
+    out["stream"] = _int(seg.get("stream"))
+    blocks, cursor = [], address
+    for b in seg.get("blocks") or []:
+        nb = dict(b)
+        nb["size"] = _int(b["size"])
+        if "address" not in b:  # pre-2.1 files: blocks lie back to back from the segment's address
+            nb["address"] = cursor
+        if "state" not in b:
+            nb["state"] = "active_allocated" if b.get("allocated") else "inactive"
+        cursor = nb["address"] + nb["size"]
+        blocks.append(nb)
+    if blocks and sum(b["size"] for b in blocks) != total:
+        raise SnapshotError(f"{src}: segment 0x{address:x}: its blocks add up to {sum(b['size'] for b in blocks)} "
+                            f"bytes, not its total_size {total}")
+    out["blocks"] = blocks
+    if "allocated_size" not in seg:
+        out["allocated_size"] = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+    return out
+
+
+def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig | None, src: str) -> Trace:
+    dev = _pick_device(snap, device, src)
     config = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
-    raw = (snap.get("device_traces") or [[]] * (dev + 1))[dev] or []
-    actions = {e.get("action") for e in raw}
-    free_action = "free_completed" if "free_completed" in actions else "free"
+    traces = snap.get("device_traces") or []
+    raw = (traces[dev] if dev < len(traces) else None) or []
+    # Plain "free" is the one free entry of 1.13-era files; later files write free_requested (skipped)
+    # and free_completed. snapshot entries and user annotations map to None and are skipped too.
+    kept = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC,
+            SEGMENT_FREE: SEGMENT_FREE, SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
     events: list[Event] = []
+    append, get_act = events.append, kept.get
+    make = functools.partial(tuple.__new__, Event)  # Event(...) without the Python-level __new__
     for e in raw:
-        a = e.get("action")
-        if a == "alloc":
-            act = ALLOC
-        elif a == free_action:
-            act = FREE
-        elif a in (SEGMENT_ALLOC, SEGMENT_FREE, OOM):
-            act = a
-        elif a in ("segment_map", "segment_unmap"):
-            raise SnapshotError(f"{source or 'snapshot'}: recorded with expandable_segments (segment_map/"
-                                "segment_unmap), which the allocator model does not replay")
-        else:
-            continue  # free_requested, snapshot
-        events.append(Event(act, int(e.get("addr", 0)), int(e.get("size", 0)), int(e.get("stream", 0) or 0),
-                            int(e.get("time_us", 0) or 0)))
-    segments = [s for s in snap["segments"] if s.get("device", dev) == dev]
-    initial = _rebuild_initial_segments(events, segments, config, source)
+        act = get_act(e["action"])
+        if act is not None:
+            g = e.get
+            append(make((act, g("addr") or 0, g("size") or 0, g("stream") or 0, g("time_us") or 0, "")))
+    try:  # every number must be a non-negative integer (array raises TypeError/OverflowError otherwise)
+        for column in range(1, 5):
+            array("Q", map(operator.itemgetter(column), events))
+    except (TypeError, OverflowError):
+        bad = next(e for e in events if not all(type(x) is int and x >= 0 for x in e[1:5]))
+        raise SnapshotError(f"{src}: malformed snapshot entry (a {bad.action} entry whose addr/size/stream/time_us "
+                            f"are not all non-negative integers: {tuple(bad[1:5])!r})") from None
+    segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
+    initial = _rebuild_initial_segments(events, segments, config, src)
+    events = _with_pool_markers(events, segments, initial)
     return Trace(events=events, initial_segments=initial, final_segments=segments,
-                 allocator_settings=snap.get("allocator_settings"), capture=CAPTURE_CUDA, source=source)
+                 allocator_settings=snap.get("allocator_settings"), capture=CAPTURE_CUDA, source=src, device=dev)
+
+
+def _with_pool_markers(events: list[Event], final_segments: list[dict], initial: list[SegmentState]) -> list[Event]:
+    """Bracket the allocations that went to a private pool with POOL_ENTER/POOL_EXIT.
+
+    An allocation's pool is that of the segment holding its recorded address at that moment: a segment
+    that outlives the trace has its final ``segment_pool_id``; one cudaFree'd within the trace belonged
+    to the default pools (a held private pool never returns segments); pages of an expandable segment
+    take the pool of the final mapped range holding them. The region is as tight as the evidence: it
+    opens just before the cudaMalloc/map that the first allocation triggered and closes right after the
+    last allocation.
+    """
+    final_pool = {s["address"]: s["segment_pool_id"] for s in final_segments}
+    if all(p == DEFAULT_POOL for p in final_pool.values()):
+        return events
+    survives: dict[int, bool] = {}
+    freed_later: set[int] = set()
+    for i in range(len(events) - 1, -1, -1):
+        e = events[i]
+        if e.action == SEGMENT_FREE:
+            freed_later.add(e.addr)
+        elif e.action == SEGMENT_ALLOC:
+            survives[i] = e.addr not in freed_later
+            freed_later.discard(e.addr)
+    expandable = sorted((s["address"], s["total_size"], s["segment_pool_id"]) for s in final_segments
+                        if s.get("is_expandable"))
+    es_starts = [x[0] for x in expandable]
+    live: dict[int, tuple[int, tuple[int, int]]] = {s.address: (s.total_size, s.pool_id) for s in initial}
+    starts = sorted(live)
+    alloc_pool: dict[int, tuple[int, int]] = {}
+    for i, e in enumerate(events):
+        if e.action == SEGMENT_ALLOC:
+            live[e.addr] = (e.size, final_pool.get(e.addr, DEFAULT_POOL) if survives[i] else DEFAULT_POOL)
+            bisect.insort(starts, e.addr)
+        elif e.action == SEGMENT_FREE and e.addr in live:
+            del live[e.addr]
+            starts.remove(e.addr)
+        elif e.action == ALLOC:
+            pid = DEFAULT_POOL
+            j = bisect.bisect_right(starts, e.addr) - 1
+            if j >= 0 and e.addr < starts[j] + live[starts[j]][0]:
+                pid = live[starts[j]][1]
+            else:
+                j = bisect.bisect_right(es_starts, e.addr) - 1
+                if j >= 0 and e.addr < expandable[j][0] + expandable[j][1]:
+                    pid = expandable[j][2]
+            alloc_pool[i] = pid
+    if all(p == DEFAULT_POOL for p in alloc_pool.values()):
+        return events
+    out: list[Event] = []
+    cur, last_alloc = DEFAULT_POOL, -1
+    for i, e in enumerate(events):
+        if e.action == ALLOC:
+            p = alloc_pool[i]
+            if p != cur:
+                if cur != DEFAULT_POOL:
+                    out.insert(last_alloc + 1, Event(POOL_EXIT, cur[0], cur[1], 0, out[last_alloc].time_us))
+                if p != DEFAULT_POOL:
+                    k = len(out)
+                    while k > 0 and out[k - 1].action in (SEGMENT_ALLOC, SEGMENT_MAP):
+                        k -= 1
+                    out.insert(k, Event(POOL_ENTER, p[0], p[1], 0, e.time_us))
+                cur = p
+            out.append(e)
+            last_alloc = len(out) - 1
+        else:
+            out.append(e)
+    if cur != DEFAULT_POOL:
+        out.insert(last_alloc + 1, Event(POOL_EXIT, cur[0], cur[1], 0, out[last_alloc].time_us))
+    return out
 
 
 def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], config: AllocatorConfig,
@@ -177,6 +324,7 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
     pre_live: dict[int, tuple[int, int]] = {}  # addr -> (requested size, stream): freed, never allocated
     created: set[int] = set()
     pre_segments: dict[int, tuple[int, int, bool]] = {}  # addr -> (size, stream, is_small)
+    mapped_in_trace = 0
     for e in events:
         if e.action == ALLOC:
             live.add(e.addr)
@@ -192,33 +340,51 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
                 created.discard(e.addr)
             else:
                 pre_segments[e.addr] = (e.size, e.stream, e.size == kSmallBuffer)
+        elif e.action == SEGMENT_MAP:
+            mapped_in_trace += e.size
+        elif e.action == SEGMENT_UNMAP:
+            mapped_in_trace -= e.size
+    expandable_at_end = sum(s["total_size"] for s in final_segments if s.get("is_expandable"))
+    if expandable_at_end != mapped_in_trace:
+        raise SnapshotError(
+            f"{source}: expandable segments hold {expandable_at_end} bytes at the end but the trace maps "
+            f"{mapped_in_trace}: pages mapped before the trace began cannot be rebuilt (record the history "
+            "from the start, or with a larger max_entries)")
     exact: dict[int, tuple[int, int]] = {}  # addr -> (block size, requested): live from start to end
+    pool_of: dict[int, tuple[int, int]] = {}
     for s in final_segments:
+        if s.get("is_expandable"):
+            continue
         if s["address"] not in created:
-            pre_segments[s["address"]] = (s["total_size"], int(s.get("stream", 0) or 0),
-                                          s.get("segment_type") == "small")
+            pre_segments[s["address"]] = (s["total_size"], s["stream"], s.get("segment_type") == "small")
+            pool_of[s["address"]] = s["segment_pool_id"]
         for b in s.get("blocks", []):
             if b.get("state", "").startswith("active") and b["address"] not in live:
                 exact[b["address"]] = (b["size"], b.get("requested_size", b["size"]))
     if not pre_segments:
         if pre_live:
-            raise SnapshotError(f"{source or 'snapshot'}: {len(pre_live)} blocks freed before being allocated, "
+            raise SnapshotError(f"{source}: {len(pre_live)} blocks freed before being allocated, "
                                 "but no segment existed before the trace")
         return []
     starts = sorted(pre_segments)
     by_segment: dict[int, list[tuple[int, int | None, int]]] = {a: [] for a in starts}
 
-    def owner(addr: int) -> int:
+    def owner(addr: int) -> int | None:
         i = bisect.bisect_right(starts, addr) - 1
         if i < 0 or addr >= starts[i] + pre_segments[starts[i]][0]:
-            raise SnapshotError(f"{source or 'snapshot'}: block 0x{addr:x} was live before the trace but lies "
-                                "in no segment that existed then")
+            return None
         return starts[i]
 
     for addr, (req, _stream) in pre_live.items():
-        by_segment[owner(addr)].append((addr, None, req))
+        seg = owner(addr)
+        if seg is None:
+            raise SnapshotError(f"{source}: block 0x{addr:x} was live before the trace but lies in no segment "
+                                "that existed then")
+        by_segment[seg].append((addr, None, req))
     for addr, (size, req) in exact.items():
-        by_segment[owner(addr)].append((addr, size, req))
+        seg = owner(addr)
+        if seg is not None:  # else: allocated in the trace in a segment created in the trace
+            by_segment[seg].append((addr, size, req))
 
     model = CachingAllocatorModel(config)
     out = []
@@ -239,7 +405,7 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
                 ):
                     bsize += gap
             resolved.append((addr, bsize, req))
-        out.append(SegmentState(seg_addr, size, stream, is_small, resolved))
+        out.append(SegmentState(seg_addr, size, stream, is_small, resolved, pool_of.get(seg_addr, DEFAULT_POOL)))
     return out
 
 
@@ -263,7 +429,7 @@ def write_snapshot(path: str | Path, trace: Trace, segments: list[dict], *, devi
             for a in ("free_requested", "free_completed"):
                 entries.append({"action": a, "addr": e.addr, "size": e.size, "stream": e.stream,
                                 "time_us": e.time_us, "frames": []})
-        elif e.action in (SEGMENT_ALLOC, SEGMENT_FREE, OOM):
+        elif e.action in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM):
             entries.append({"action": e.action, "addr": e.addr, "size": e.size, "stream": e.stream,
                             "time_us": e.time_us, "frames": []})
         elif e.action == PHASE:

@@ -39,7 +39,7 @@ def fmt(v) -> str:
     return "-" if v is None else f"{v:,}"
 
 
-def run(name: str, warmups: int, **overrides) -> dict:
+def run(name: str, warmups: int, dump: str | None = None, **overrides) -> dict:
     workload = WORKLOADS[name]
     path = snapshot_path(workload.snapshot)
     reason = missing_reason(path)
@@ -50,6 +50,12 @@ def run(name: str, warmups: int, **overrides) -> dict:
     t0 = time.perf_counter()
     _trace, rec, run_s = capture(workload, markers_only, warmups=warmups, keep_raw_rows=True, **overrides)
     rows = rec.raw_rows
+    if dump:  # the raw recorder rows and markers, to re-derive traces without rerunning the workload
+        import pickle
+
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        with open(Path(dump) / f"{name}.rows.pickle", "wb") as f:
+            pickle.dump({"rows": rows, "marks": rec._marks}, f, protocol=4)
     result = {"workload": name, "warmups": warmups, "cpu_run_s": round(run_s, 1), "variants": {}}
     for label, settings in variants():
         trace = rec.trace_from_rows(rows, settings)
@@ -79,13 +85,14 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--warmups", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dump", default=None, metavar="DIR", help="also save each run's raw recorder rows here")
     a = ap.parse_args()
     results = []
     for name in a.workloads.split(","):
         if name not in WORKLOADS:
             print(f"fidelity: error: workload {name!r}: allowed values are {', '.join(WORKLOADS)}", file=sys.stderr)
             return 2
-        res = run(name, a.warmups)
+        res = run(name, a.warmups, a.dump)
         res["max_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         print_table(res)
         results.append(res)

@@ -51,7 +51,7 @@ def capture(workload: Workload, emulation: EmulationSettings | None, warmups: in
 
     ``warmups`` below the recorded 5 is allowed (the input tensors keep the recorded shape (5, batch,
     context), so the device allocations before the steps do not change); ``config_overrides`` shrink
-    the model for unit tests. Phases: ``to_device``, ``inputs``, ``warmup``, ``step``.
+    the model for unit tests. Phases: ``to_device``, ``inputs``, ``warmup-1`` .. ``warmup-N``, ``step``.
     """
     import torch
 
@@ -86,23 +86,23 @@ def _run(w: Workload, model, optimizer, rec: Recorder, vocab: int, warmups: int)
     if w.mode == "inference":
         model.eval()
         with torch.inference_mode():
-            with rec.phase("warmup"):
-                for i in range(warmups):
+            for i in range(warmups):
+                with rec.phase(f"warmup-{i + 1}"):
                     model(warmup_inputs[i])
             with rec.phase(STEP_PHASE):
                 model(step_inputs[0])
         return
     model.train()
-    with rec.phase("warmup"):
-        for i in range(warmups):
+    for i in range(warmups):
+        with rec.phase(f"warmup-{i + 1}"):
             output = model(warmup_inputs[i])  # the previous step's logits stay alive until here
             loss = cross_entropy(output, warmup_targets[i])
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        if warmups:
-            del output, loss
-        optimizer.zero_grad(set_to_none=True)
+    if warmups:
+        del output, loss
+    optimizer.zero_grad(set_to_none=True)
     with rec.phase(STEP_PHASE):
         output = model(step_inputs[0])
         loss = cross_entropy(output, step_targets[0])

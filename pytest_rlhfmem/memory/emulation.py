@@ -83,18 +83,12 @@ def cublas_workspace_bytes(compute_capability: str | None = None, config: str | 
 
 @dataclass(frozen=True)
 class CudaTemporary:
-    """A device temporary of a CUDA kernel: ``size(op_args_info)`` bytes, allocated and freed inside the op."""
+    """Device temporaries a CUDA kernel allocates and frees inside one op: ``sizes(args, kwargs)`` gives
+    their requested bytes, in allocation order (evaluated during the capture, from the op's arguments)."""
 
     op: str
     source: str
-    sizes: Callable[[dict], list[int]]
-
-
-def _index_put_accumulate(info: dict) -> list[int]:
-    # index_put_(accumulate=True) on CUDA (aten/src/ATen/native/cuda/Indexing.cu, index_put_with_sort_kernel):
-    # linearised indices, sorted copy and original positions (int64 each), then a cub radix sort's
-    # temporary storage; measured sizes are filled in by the benchmark comparison (see docs).
-    return []
+    sizes: Callable[[tuple, dict], tuple[int, ...]]
 
 
 CUDA_TEMPORARIES: dict[str, CudaTemporary] = {}
@@ -194,7 +188,9 @@ def _make_marker_mode():
                     return out
             n_scalars = sum(1 for i in tensor_pos if i < len(args) and isinstance(args[i], (int, float, complex)))
             thread = "autograd" if graph_task_id() != -1 else "caller"
-            self._mark(OP_BEGIN, (name, thread, n_scalars, cpu_kernel))
+            temp = CUDA_TEMPORARIES.get(name)
+            temps = temp.sizes(args, kwargs) if temp is not None else ()
+            self._mark(OP_BEGIN, (name, thread, n_scalars, cpu_kernel, temps))
             try:
                 return func(*args, **kwargs)
             finally:
@@ -249,7 +245,7 @@ def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, E
     outside: list[int] = []  # main-thread allocs outside ops since the last op ended
     in_op = False
     op_allocs: set[int] = set()  # allocs made on the recording thread inside the current op
-    cur = ("", "")
+    cur: tuple = ("", "", ())
     scratch = False
     workspaces: set[str] = set()
     ws_bytes = settings.workspace_bytes
@@ -273,7 +269,7 @@ def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, E
         else:
             mkind, payload = marks[ptr]
             if mkind == OP_BEGIN:
-                name, thread, n_scalars, cpu_kernel = payload
+                name, thread, n_scalars, cpu_kernel, temps = payload
                 report.ops += 1
                 if n_scalars and "host-scalars" in on:
                     cands = [j for j in outside if not drop[j] and rows[j][1] in live][-n_scalars:]
@@ -283,19 +279,19 @@ def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, E
                         report.dropped["host-scalars"][1] += rows[j][2]
                 outside = []
                 in_op, op_allocs = True, set()
-                cur = (name, thread)
+                cur = (name, thread, temps)
                 scratch = cpu_kernel and "cpu-kernel-scratch" in on
                 drop[i] = 1
             elif mkind == OP_END:
-                name, thread = cur
+                name, thread, temps = cur
                 if "cublas-workspace" in on and name in CUBLAS_OPS and thread not in workspaces:
                     workspaces.add(thread)
                     inserts.setdefault(i, []).append((t, next_ws, ws_bytes, 0, 1))
                     next_ws -= 1
                     report.added["cublas-workspace"][0] += 1
                     report.added["cublas-workspace"][1] += ws_bytes
-                if "cuda-kernel-temporaries" in on and name in CUDA_TEMPORARIES:
-                    for sz in CUDA_TEMPORARIES[name].sizes({}):
+                if "cuda-kernel-temporaries" in on:
+                    for sz in temps:
                         inserts.setdefault(i, []).extend([(t, next_ws, sz, 0, 1), (t, next_ws, sz, 1, 1)])
                         next_ws -= 1
                         report.added["cuda-kernel-temporaries"][0] += 1

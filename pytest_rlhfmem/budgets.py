@@ -71,7 +71,8 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 
 _TOP_KEYS = ("schema", "profile", "notes", "defaults", "entries")
 _DEFAULTS_KEYS = ("tolerances",)
-_ENTRY_KEYS = ("capture", "device", "world_size", "peak_phase", "versions", "metrics", "tolerances")
+_ENTRY_KEYS = ("capture", "capture_description", "device", "world_size", "peak_phase", "versions", "metrics",
+               "tolerances")
 _TOL_KEYS = ("rel", "abs")
 
 
@@ -253,6 +254,31 @@ def _tol_text(r: Row) -> str:
     return f"max({r.tolerance.rel * 100:g}%, {ab})"
 
 
+def _describe_capture(capture: str | None, description: dict | None) -> str:
+    """One phrase for a capture: its kind plus, for a CPU capture, its CUDA emulation."""
+    desc = dict(description or {})
+    if capture == "cpu-trace-simulated":
+        desc.setdefault("cuda_emulation", "off")  # entries written before the emulation existed
+    if not desc:
+        return repr(capture)
+    return f"{capture!r} with " + ", ".join(f"{k}={v}" for k, v in sorted(desc.items()))
+
+
+def not_comparable(path: str | Path, entry: BudgetEntry, capture: str | None, description: dict | None) -> str | None:
+    """``None`` when a result of ``capture``/``description`` can be held against ``entry``; else the one-line
+    reason, naming the file, the entry and both capture descriptions. A budget entry without a
+    ``capture_description`` was written by a CPU capture without CUDA emulation."""
+    if not entry.capture:
+        return None
+    mine = _describe_capture(entry.capture, entry.raw.get("capture_description"))
+    theirs = _describe_capture(capture, description)
+    if mine == theirs:
+        return None
+    return (f"{path}: entry {entry.id!r} was measured with capture {mine}, this run with {theirs}: the figures "
+            "are not comparable (regenerate the entry with --rlhfmem-update-baselines, or use a separate "
+            "--rlhfmem-profile)")
+
+
 def entry_from_result(result: dict) -> dict:
     """The YAML entry for a scenario result (sizes exact, with units)."""
     m = result["metrics"]
@@ -264,6 +290,7 @@ def entry_from_result(result: dict) -> dict:
     v = result.get("versions", {})
     return {
         "capture": result.get("capture"),
+        **({"capture_description": result["capture_description"]} if result.get("capture_description") else {}),
         "device": result.get("device"),
         "world_size": result.get("world_size"),
         "peak_phase": result.get("peak_phase"),
@@ -311,7 +338,7 @@ def update_budget_file(path: str | Path, updates: dict[str, dict], profile: str)
                 merged["tolerances"] = old["tolerances"]
             if old is None:
                 summary.new.append(eid)
-            elif old.get("metrics") == merged.get("metrics") and old.get("capture") == merged.get("capture"):
+            elif all(old.get(k) == merged.get(k) for k in ("metrics", "capture", "capture_description")):
                 summary.unchanged.append(eid)
                 continue
             else:

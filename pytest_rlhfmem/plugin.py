@@ -46,6 +46,9 @@ OPTIONS = (
             "for simulated figures, else cuda-<gpu model>-x<count>)"),
     _Option("--rlhfmem-device", "rlhfmem_device", "where iterations run: auto = CUDA when enough devices, else "
             "CPU with the allocator model", "choice", "auto", ("auto", "cpu", "cuda")),
+    _Option("--rlhfmem-cuda-emulation", "rlhfmem_cuda_emulation", "CPU runs: emulate CUDA's own allocations "
+            "(cuBLAS workspaces, host scalars, CPU kernel scratch) in the capture; results record it and budgets "
+            "of another capture are refused as not comparable", "choice", "on", ("on", "off")),
     _Option("--rlhfmem-timeout", "rlhfmem_timeout", "seconds one iteration (all ranks) may take before its "
             "processes are killed and the test fails as hung", "float", 900.0),
     _Option("--rlhfmem-json", "rlhfmem_json", "write every result of the session (with budget verdicts) to this "
@@ -366,7 +369,8 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
         try:
             data = run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
                                 timeout=_opt(request.config, "rlhfmem_timeout"),
-                                snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work)
+                                snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work,
+                                cuda_emulation=_opt(request.config, "rlhfmem_cuda_emulation"))
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
         result = IterationResult(data)
@@ -419,11 +423,10 @@ class MemoryBudget:
         if entry is None:
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "missing"))
             pytest.fail(f"no baseline entry {eid!r} in {path}; {fix}", pytrace=False)
-        if entry.capture and entry.capture != result.capture:
+        reason = B.not_comparable(path, entry, result.capture, result.data.get("capture_description"))
+        if reason:
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "not-comparable"))
-            pytest.fail(f"{path}: entry {eid!r} was measured with capture {entry.capture!r}, this run with "
-                        f"{result.capture!r}: the figures are not comparable (use a separate --rlhfmem-profile)",
-                        pytrace=False)
+            pytest.fail(reason, pytrace=False)
         rows = B.compare(bf, entry, result.metrics)
         over = [r for r in rows if r.status == "over"]
         pcts = [r.delta_pct for r in rows if r.delta_pct is not None and r.metric in B.SIZE_BUDGETS]

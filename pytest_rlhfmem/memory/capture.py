@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
+from . import emulation
 from .trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, POOL_ENTER, POOL_EXIT, Event, Trace,
     trace_from_snapshot,
@@ -71,6 +72,12 @@ class Recorder:
     _ext: object = None
     backend: str = ""
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
+    # CPU only: the CUDA emulation (memory/emulation.py) applied to the capture; None = off.
+    cuda_emulation: emulation.EmulationSettings | None = field(default_factory=emulation.EmulationSettings)
+    emulation_report: emulation.EmulationReport | None = None
+    keep_raw_rows: bool = False  # keep the recorder rows (``raw_rows``) for re-deriving traces
+    raw_rows: list | None = None
+    _op_mode: object = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -94,6 +101,9 @@ class Recorder:
                 self._ext = ext
                 self.backend = "rlhfmem CPU allocator recorder (all threads)"
                 ext.start()
+                if self.cuda_emulation is not None:
+                    self._op_mode = emulation.marker_mode(self._mark)
+                    self._op_mode.__enter__()
             except RuntimeError:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -182,14 +192,23 @@ class Recorder:
         self._mark("to_device", _storages(tensors))
 
     # -- CPU --------------------------------------------------------------------------------------
+    def capture_description(self) -> dict:
+        """What this capture emulated, for results and budgets: ``{"cuda_emulation": ...}`` on CPU."""
+        if self.device != "cpu":
+            return {}
+        applied = self.cuda_emulation if self.backend.startswith("rlhfmem CPU") else None
+        return emulation.capture_description(applied)
+
     def _stop_cpu(self) -> Trace:
         if self._ext is not None:
+            if self._op_mode is not None:
+                self._op_mode.__exit__(None, None, None)
+                self._op_mode = None
             rows = self._ext.stop().tolist()
             self._ext = None
-            items = [(t, i, 1 if kind == 2 else 0, ptr, -size if kind == 1 else size)
-                     for i, (t, ptr, size, kind, _main) in enumerate(rows)]
-            self.frees_on_other_threads = self._foreign_frees(rows)
-            return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
+            if self.keep_raw_rows:
+                self.raw_rows = rows
+            return self.trace_from_rows(rows, self.cuda_emulation)
         from torch._C._profiler import _EventType
 
         prof = self._prof
@@ -210,6 +229,16 @@ class Recorder:
             stack.extend(reversed(node.children))
         items.sort()
         self._prof = None
+        return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
+
+    def trace_from_rows(self, rows: list, cuda_emulation: emulation.EmulationSettings | None) -> Trace:
+        """The device trace of recorder rows ``(time_ns, ptr, size, kind, on_main)``, CUDA-emulated as
+        given (the benchmark re-derives traces from one run's ``raw_rows`` under several settings)."""
+        if cuda_emulation is not None:
+            rows, self.emulation_report = emulation.apply(rows, self._marks, cuda_emulation)
+        items = [(t, i, 1 if kind == 2 else 0, ptr, -size if kind == 1 else size)
+                 for i, (t, ptr, size, kind, _main) in enumerate(rows)]
+        self.frees_on_other_threads = self._foreign_frees(rows)
         return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
 
     def _foreign_frees(self, rows: list) -> tuple[int, int, list]:

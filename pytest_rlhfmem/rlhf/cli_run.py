@@ -22,6 +22,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
+    r.add_argument("--cuda-emulation", choices=("on", "off"), default="on",
+                   help="CPU runs: emulate CUDA's own allocations in the capture (default on; see docs/fidelity.md)")
     r.set_defaults(func=_run)
 
 
@@ -50,7 +52,8 @@ def _run(args: argparse.Namespace) -> int:
         scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides)
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
-        result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
+        result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir,
+                              cuda_emulation=args.cuda_emulation)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"

@@ -77,11 +77,12 @@ def _worker_env(device: str, threads: int) -> dict:
 
 def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
-                 capture: bool = True) -> dict:
+                 capture: bool = True, cuda_emulation: str = "on") -> dict:
     """Run ``scenario`` once; returns the scenario result (see :func:`aggregate`). Never raises for a
     failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why.
     Raises :class:`ScenarioError` before launching for a scenario this device cannot run.
-    ``capture=False`` runs the bare iteration (timed, nothing recorded): the capture-overhead baseline."""
+    ``capture=False`` runs the bare iteration (timed, nothing recorded): the capture-overhead baseline.
+    ``cuda_emulation`` (``on``/``off``): the CPU capture's CUDA emulation (``memory/emulation.py``)."""
     from .colossalchat import CPU_STRATEGIES
     from .deepspeed_chat import STRATEGY_SETTINGS
 
@@ -103,6 +104,7 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         cmd += ["--snapshot-dir", str(snapshot_dir)]
     if not capture:
         cmd.append("--no-capture")
+    cmd += ["--cuda-emulation", cuda_emulation]
     log_path = work / "launcher.log"
     timed_out = False
     with open(log_path, "wb") as log:
@@ -204,6 +206,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "failures": failures,
         "device": device,
         "capture": first.get("capture"),
+        "capture_description": first.get("capture_description", {}),
         "simulated": first.get("simulated", device == "cpu"),
         "world_size": scenario.world_size,
         "versions": first.get("versions", {}),

@@ -86,6 +86,8 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "device": device,
         "capture": trace.capture,
         "capture_backend": rec.backend,
+        "capture_description": rec.capture_description(),
+        "cuda_emulation_report": rec.emulation_report.to_dict() if rec.emulation_report else None,
         "simulated": trace.capture == CAPTURE_CPU_SIMULATED,
         "status": "failed" if error else "ok",
         "error": error,
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
     ap.add_argument("--snapshot-dir", default=None)
     ap.add_argument("--no-capture", action="store_true", help="bare iteration: time it, record nothing")
+    ap.add_argument("--cuda-emulation", choices=("on", "off"), default="on", help="CPU capture: emulate CUDA")
     args = ap.parse_args(argv)
 
     import torch
@@ -150,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         colossalai.launch_from_torch(backend=backend, seed=scenario.get("seed", 1234), verbose=False)
         import colossalai.booster  # noqa: F401 - imported before the iteration's clock starts
         from .colossalchat import run_iteration  # type: ignore[no-redef]
-    rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase)
+    from ..memory.emulation import parse_switch
+
+    rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase,
+                   cuda_emulation=parse_switch(args.cuda_emulation))
     error = None
     info = None
     t0 = time.perf_counter()

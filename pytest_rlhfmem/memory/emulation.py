@@ -1,0 +1,307 @@
+"""CUDA emulation for the CPU capture: turn a CPU run's allocations into those a GPU run makes.
+
+A CPU run executes the same Python and the same ATen ops as a GPU run, so the tensors it allocates
+are the GPU's, with a few systematic exceptions. Each exception is one named adjustment below,
+applied to the raw recorder rows after the run (:func:`apply`); none is fitted to a workload, and the
+fidelity benchmark (``benchmarks/fidelity.py``) measures each one against real GPU recordings.
+
+To tell allocations apart, :class:`OpMarker` (a ``TorchDispatchMode`` active during the CPU capture)
+writes a marker before and after every ATen op the dispatcher sees on the recording thread, autograd's
+backward ops included (the engine carries the mode into backward). The marker payload is small
+(op name, the matmul flag, the thread a GPU run would use, the count of Python numbers passed where
+the schema takes a Tensor). Allocations are then classified by where they fall:
+
+``host-scalars``
+    A Python number passed where an op takes a Tensor becomes a "wrapped number": a 0-dim CPU tensor
+    built by the Python argument parser just before the op (``torch/csrc/utils/python_arg_parser.cpp``,
+    ``scalar_to_tensor`` + ``set_wrapped_number``), freed right after it. On a GPU it is a CPU
+    tensor, not a device allocation (CUDA kernels take CPU scalars as kernel arguments,
+    ``TensorIterator``'s ``is_cpu_scalar``). Dropped: the latest that many allocations made on the
+    recording thread outside any op before the op begins. Measured on ``wedson_medium_256_training``:
+    CS336's AdamW makes thousands per step.
+``cpu-kernel-scratch``
+    Allocations made inside one op and freed before it returns are the CPU kernel's own scratch
+    (bmm backward's per-batch slices, a double-to-float copy of a scalar operand, oneDNN buffers, and
+    the dispatch mode's re-wrapped scalars). A CUDA kernel's scratch is different; the known ones are
+    added by ``cuda-kernel-temporaries``. Dropped.
+``cublas-workspace``
+    The first cuBLAS call on each (thread, stream) takes a workspace from the caching allocator and
+    keeps it for the process's life (``aten/src/ATen/cuda/CublasHandlePool.cpp``,
+    ``setWorkspaceForHandle``/``getChosenWorkspaceSize``, PyTorch 2.9): 8,519,680 B
+    (``:4096:2:16:8``) by default, 32 MiB on Hopper (sm90), or the sum of ``CUBLAS_WORKSPACE_CONFIG``'s
+    ``:SIZE_KiB:COUNT`` pairs. A GPU run's backward runs on autograd's device thread, its forward on the
+    caller's: two workspaces for a training step, one for inference (both seen, 8,519,680 B live and
+    never freed, in the ``wedson_*`` recordings). Added right after the op's output, as ``mm``/``bmm``
+    allocate their output before calling cuBLAS. Matmul ops: :data:`CUBLAS_OPS`.
+``cuda-kernel-temporaries``
+    Known device temporaries of CUDA kernels that a CPU kernel does not make: :data:`CUDA_TEMPORARIES`.
+
+Settings are recorded in every result (:meth:`EmulationSettings.describe`), and budgets compare only
+results of the same capture description.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+OP_BEGIN = "op_begin"
+OP_END = "op_end"
+
+ADJUSTMENTS = ("host-scalars", "cpu-kernel-scratch", "cublas-workspace", "cuda-kernel-temporaries")
+
+# ATen ops whose CUDA kernels call cuBLAS through getCurrentCUDABlasHandle (aten/src/ATen/native/cuda/Blas.cpp).
+CUBLAS_OPS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "_addmm_activation",
+})
+
+# cuBLAS workspace default (CublasHandlePool.cpp, parseChosenWorkspaceSize): ":4096:2:16:8" before Hopper.
+DEFAULT_WORKSPACE_CONFIG = ":4096:2:16:8"
+HOPPER_WORKSPACE_CONFIG = ":4096:8"
+
+
+def cublas_workspace_bytes(compute_capability: str | None = None, config: str | None = None) -> int:
+    """Bytes of one cuBLAS workspace, as ``parseChosenWorkspaceSize`` (CublasHandlePool.cpp, PyTorch 2.9)
+    computes it: ``config`` (a ``CUBLAS_WORKSPACE_CONFIG`` value, ``:SIZE_KiB:COUNT`` pairs summed) wins;
+    else 32 MiB for compute capability ``"9.0"`` (Hopper), else 8,519,680 B.
+
+    Raises ``ValueError`` for a config without any ``:SIZE:COUNT`` pair (PyTorch warns and uses the
+    default; a profile setting must be right, so it is refused here).
+    """
+    if config:
+        pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+        if not pairs:
+            raise ValueError(f"CUBLAS_WORKSPACE_CONFIG {config!r}: expected ':SIZE_KiB:COUNT' pairs, "
+                             "e.g. ':4096:8' or ':4096:2:16:8'")
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    default = HOPPER_WORKSPACE_CONFIG if compute_capability == "9.0" else DEFAULT_WORKSPACE_CONFIG
+    return cublas_workspace_bytes(config=default)
+
+
+@dataclass(frozen=True)
+class CudaTemporary:
+    """Device temporaries a CUDA kernel allocates and frees inside one op: ``sizes(args, kwargs)`` gives
+    their requested bytes, in allocation order (evaluated during the capture, from the op's arguments)."""
+
+    op: str
+    source: str
+    sizes: Callable[[tuple, dict], tuple[int, ...]]
+
+
+CUDA_TEMPORARIES: dict[str, CudaTemporary] = {}
+
+
+@dataclass(frozen=True)
+class EmulationSettings:
+    """Which adjustments run, and the GPU they emulate. ``adjustments`` is a subset of :data:`ADJUSTMENTS`.
+
+    ``compute_capability`` (e.g. ``"8.0"``, ``"9.0"``) and ``cublas_workspace_config`` (a
+    ``CUBLAS_WORKSPACE_CONFIG`` value) size the cuBLAS workspace; by default they come from the
+    environment variable ``CUBLAS_WORKSPACE_CONFIG`` and a pre-Hopper GPU.
+    """
+
+    adjustments: tuple[str, ...] = ADJUSTMENTS
+    compute_capability: str | None = None
+    cublas_workspace_config: str | None = field(default_factory=lambda: os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.adjustments if a not in ADJUSTMENTS]
+        if bad:
+            raise ValueError(f"CUDA emulation adjustment {bad[0]!r}: allowed values are {', '.join(ADJUSTMENTS)}")
+        cublas_workspace_bytes(self.compute_capability, self.cublas_workspace_config)  # validates the config
+
+    @property
+    def workspace_bytes(self) -> int:
+        return cublas_workspace_bytes(self.compute_capability, self.cublas_workspace_config)
+
+    def describe(self) -> dict:
+        """The capture description recorded in results and budgets (JSON-able, stable keys)."""
+        return {"adjustments": list(self.adjustments),
+                "cublas_workspace_bytes": self.workspace_bytes if "cublas-workspace" in self.adjustments else 0}
+
+
+def parse_switch(value: str | bool | None) -> EmulationSettings | None:
+    """``on`` / ``off`` (CLI, plugin option) -> settings or ``None``. Raises ``ValueError`` naming the
+    allowed values."""
+    if value is None or value is True:
+        return EmulationSettings()
+    if value is False:
+        return None
+    v = str(value).strip().lower()
+    if v in ("on", "true", "1", "yes"):
+        return EmulationSettings()
+    if v in ("off", "false", "0", "no"):
+        return None
+    raise ValueError(f"CUDA emulation {value!r}: allowed values are on, off")
+
+
+def capture_description(settings: EmulationSettings | None) -> dict:
+    """``{"cuda_emulation": ...}``: what a CPU result records about its capture (``"off"`` without emulation)."""
+    return {"cuda_emulation": settings.describe() if settings is not None else "off"}
+
+
+# -- capture side ---------------------------------------------------------------------------------
+
+def _make_marker_mode():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    graph_task_id = torch._C._current_graph_task_id
+    tensor_type = torch._C.TensorType.get()
+
+    class OpMarker(TorchDispatchMode):
+        """Marks op boundaries into the recorder's ordered buffer (see the module docstring)."""
+
+        def __init__(self, mark: Callable[[str, object], None]):
+            super().__init__()
+            self._mark = mark
+            self._owner = threading.get_ident()
+            self._info: dict = {}  # op -> (name, Tensor-typed argument positions, composite, backend kernel)
+
+        def _op_info(self, func) -> tuple:
+            info = self._info.get(func)
+            if info is None:
+                qualname = func._schema.name
+                if func._overloadname != "default":
+                    qualname += "." + func._overloadname
+                has = torch._C._dispatch_has_kernel_for_dispatch_key
+                info = self._info[func] = (
+                    func._schema.name.split("::", 1)[-1],
+                    tuple(i for i, a in enumerate(func._schema.arguments) if a.type == tensor_type),
+                    has(qualname, "CompositeImplicitAutograd"),
+                    has(qualname, "CPU"),
+                )
+            return info
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if threading.get_ident() != self._owner:  # other threads are not classified
+                return func(*args, **kwargs)
+            name, tensor_pos, composite, cpu_kernel = self._op_info(func)
+            if composite:  # seen whole under inference_mode: decompose, so its ops are marked one by one
+                with self:
+                    out = func.decompose(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            n_scalars = sum(1 for i in tensor_pos if i < len(args) and isinstance(args[i], (int, float, complex)))
+            thread = "autograd" if graph_task_id() != -1 else "caller"
+            temp = CUDA_TEMPORARIES.get(name)
+            temps = temp.sizes(args, kwargs) if temp is not None else ()
+            self._mark(OP_BEGIN, (name, thread, n_scalars, cpu_kernel, temps))
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._mark(OP_END, None)
+
+    return OpMarker
+
+
+_MODE_CLS = None
+
+
+def marker_mode(mark: Callable[[str, object], None]):
+    """A new :class:`OpMarker` dispatch mode writing through ``mark(kind, payload)``."""
+    global _MODE_CLS
+    if _MODE_CLS is None:
+        _MODE_CLS = _make_marker_mode()
+    return _MODE_CLS(mark)
+
+
+# -- trace side -----------------------------------------------------------------------------------
+
+WORKSPACE_PTR_BASE = -(1 << 40)  # synthetic pointers of emulated allocations (never real addresses)
+
+
+@dataclass
+class EmulationReport:
+    """What :func:`apply` changed (counts and bytes per adjustment)."""
+
+    dropped: dict[str, list[int]] = field(default_factory=lambda: {a: [0, 0] for a in ADJUSTMENTS})
+    added: dict[str, list[int]] = field(default_factory=lambda: {a: [0, 0] for a in ADJUSTMENTS})
+    ops: int = 0
+
+    def to_dict(self) -> dict:
+        return {"ops": self.ops,
+                "dropped": {k: {"count": c, "bytes": b} for k, (c, b) in self.dropped.items() if c},
+                "added": {k: {"count": c, "bytes": b} for k, (c, b) in self.added.items() if c}}
+
+
+def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, EmulationReport]:
+    """The CUDA-emulated recorder rows. ``rows`` are the recorder's ``(time_ns, ptr, size, kind, on_main)``
+    (kind 0 alloc, 1 free, 2 marker with ``ptr`` = index into ``marks``); ``marks`` the recorder's
+    ``(kind, payload)`` list. Op markers are consumed; other markers pass through unchanged.
+    Returns (new rows, report)."""
+    on = set(settings.adjustments)
+    report = EmulationReport()
+    n = len(rows)
+    drop = bytearray(n)  # 1 = remove this row (and, for an alloc, its free)
+    inserts: dict[int, list] = {}  # row index -> rows to put before it
+
+    # Pass 1: find op windows on the recording thread; classify allocations.
+    live: dict[int, int] = {}  # ptr -> row index of its alloc
+    outside: list[int] = []  # main-thread allocs outside ops since the last op ended
+    in_op = False
+    op_allocs: set[int] = set()  # allocs made on the recording thread inside the current op
+    cur: tuple = ("", "", ())
+    scratch = False
+    workspaces: set[str] = set()
+    ws_bytes = settings.workspace_bytes
+    next_ws = WORKSPACE_PTR_BASE
+    for i, (t, ptr, size, kind, main) in enumerate(rows):
+        if kind == 0:
+            live[ptr] = i
+            if main:
+                if in_op:
+                    op_allocs.add(i)
+                else:
+                    outside.append(i)
+        elif kind == 1:
+            j = live.pop(ptr, None)
+            if in_op and scratch and j is not None and j in op_allocs:
+                drop[j] = drop[i] = 1
+                report.dropped["cpu-kernel-scratch"][0] += 1
+                report.dropped["cpu-kernel-scratch"][1] += rows[j][2]
+            elif j is not None and drop[j]:
+                drop[i] = 1
+        else:
+            mkind, payload = marks[ptr]
+            if mkind == OP_BEGIN:
+                name, thread, n_scalars, cpu_kernel, temps = payload
+                report.ops += 1
+                if n_scalars and "host-scalars" in on:
+                    cands = [j for j in outside if not drop[j] and rows[j][1] in live][-n_scalars:]
+                    for j in cands:
+                        drop[j] = 1
+                        report.dropped["host-scalars"][0] += 1
+                        report.dropped["host-scalars"][1] += rows[j][2]
+                outside = []
+                in_op, op_allocs = True, set()
+                cur = (name, thread, temps)
+                scratch = cpu_kernel and "cpu-kernel-scratch" in on
+                drop[i] = 1
+            elif mkind == OP_END:
+                name, thread, temps = cur
+                if "cublas-workspace" in on and name in CUBLAS_OPS and thread not in workspaces:
+                    workspaces.add(thread)
+                    inserts.setdefault(i, []).append((t, next_ws, ws_bytes, 0, 1))
+                    next_ws -= 1
+                    report.added["cublas-workspace"][0] += 1
+                    report.added["cublas-workspace"][1] += ws_bytes
+                if "cuda-kernel-temporaries" in on:
+                    for sz in temps:
+                        inserts.setdefault(i, []).extend([(t, next_ws, sz, 0, 1), (t, next_ws, sz, 1, 1)])
+                        next_ws -= 1
+                        report.added["cuda-kernel-temporaries"][0] += 1
+                        report.added["cuda-kernel-temporaries"][1] += sz
+                in_op = False
+                drop[i] = 1
+    out = []
+    for i, row in enumerate(rows):
+        if i in inserts:
+            out.extend(inserts[i])
+        if not drop[i]:
+            out.append(row)
+    return out, report

@@ -39,7 +39,7 @@ def fmt(v) -> str:
     return "-" if v is None else f"{v:,}"
 
 
-def run(name: str, warmups: int, dump: str | None = None, **overrides) -> dict:
+def run(name: str, warmups: int, dump: str | None = None, from_dump: str | None = None, **overrides) -> dict:
     workload = WORKLOADS[name]
     path = snapshot_path(workload.snapshot)
     reason = missing_reason(path)
@@ -48,15 +48,27 @@ def run(name: str, warmups: int, dump: str | None = None, **overrides) -> dict:
     rec_fig = recorded_figures(path)
     markers_only = EmulationSettings(adjustments=())
     t0 = time.perf_counter()
-    _trace, rec, run_s = capture(workload, markers_only, warmups=warmups, keep_raw_rows=True, **overrides)
-    rows = rec.raw_rows
+    if from_dump:  # re-derive from a saved run's rows (same capture, later emulation code)
+        import pickle
+
+        from pytest_rlhfmem.memory.capture import Recorder
+
+        with open(Path(from_dump) / f"{name}.rows.pickle", "rb") as f:
+            saved = pickle.load(f)
+        rec = Recorder("cpu", cuda_emulation=markers_only)
+        rec._marks, rows, run_s, warmups = saved["marks"], saved["rows"], saved.get("run_s"), saved.get("warmups")
+    else:
+        _trace, rec, run_s = capture(workload, markers_only, warmups=warmups, keep_raw_rows=True, **overrides)
+        rows = rec.raw_rows
     if dump:  # the raw recorder rows and markers, to re-derive traces without rerunning the workload
         import pickle
 
         Path(dump).mkdir(parents=True, exist_ok=True)
         with open(Path(dump) / f"{name}.rows.pickle", "wb") as f:
-            pickle.dump({"rows": rows, "marks": rec._marks}, f, protocol=4)
-    result = {"workload": name, "warmups": warmups, "cpu_run_s": round(run_s, 1), "variants": {}}
+            pickle.dump({"rows": rows, "marks": rec._marks, "run_s": round(run_s, 1), "warmups": warmups}, f,
+                        protocol=4)
+    result = {"workload": name, "warmups": warmups, "cpu_run_s": run_s and round(run_s, 1), "variants": {},
+              "from_dump": from_dump}
     for label, settings in variants():
         trace = rec.trace_from_rows(rows, settings)
         cmp = compare(rec_fig, captured_figures(trace))
@@ -86,13 +98,14 @@ def main() -> int:
     ap.add_argument("--warmups", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dump", default=None, metavar="DIR", help="also save each run's raw recorder rows here")
+    ap.add_argument("--from-dump", default=None, metavar="DIR", help="no run: re-derive from rows saved by --dump")
     a = ap.parse_args()
     results = []
     for name in a.workloads.split(","):
         if name not in WORKLOADS:
             print(f"fidelity: error: workload {name!r}: allowed values are {', '.join(WORKLOADS)}", file=sys.stderr)
             return 2
-        res = run(name, a.warmups, a.dump)
+        res = run(name, a.warmups, a.dump, a.from_dump)
         res["max_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         print_table(res)
         results.append(res)

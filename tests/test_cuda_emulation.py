@@ -52,28 +52,30 @@ def _sizes(rows):
 
 
 def test_host_scalar_dropped_with_its_free():
-    rows, marks = _rows([("a", 1, 8), (E.OP_BEGIN, ("mul", "caller", 1, True)), ("a", 2, 4096),
+    rows, marks = _rows([("a", 1, 8), (E.OP_BEGIN, ("mul", "caller", 1, True, ())), ("a", 2, 4096),
                          (E.OP_END, None), ("f", 1, 8)])
     out, rep = E.apply(rows, marks, E.EmulationSettings(adjustments=("host-scalars",)))
     assert _sizes(out) == [("a", 4096)]
     assert rep.dropped["host-scalars"] == [1, 8]
 
 
-def test_cpu_kernel_scratch_dropped_but_outputs_and_composite_scratch_kept():
-    rows, marks = _rows([(E.OP_BEGIN, ("bmm", "autograd", 0, True)), ("a", 1, 64), ("a", 2, 4096), ("f", 1, 64),
+def test_cpu_kernel_scratch_dropped_but_outputs_and_nested_op_results_kept():
+    rows, marks = _rows([(E.OP_BEGIN, ("bmm", "autograd", 0, True, ())), ("a", 1, 64), ("a", 2, 4096), ("f", 1, 64),
                          (E.OP_END, None),
-                         (E.OP_BEGIN, ("explicit_op", "caller", 0, False)), ("a", 3, 32), ("f", 3, 32),
-                         (E.OP_END, None)])
-    out, rep = E.apply(rows, marks, E.EmulationSettings(adjustments=("cpu-kernel-scratch",)))
-    assert _sizes(out) == [("a", 4096), ("a", 32), ("f", 32)]  # no CPU kernel: same code on CUDA, kept
-    assert rep.dropped["cpu-kernel-scratch"] == [1, 64]
+                         # a device-generic (composite) op: what its nested ops make is device memory
+                         (E.OP_BEGIN, ("explicit_op", "caller", 0, False, ())), ("a", 3, 8),
+                         (E.OP_BEGIN, ("mul", "caller", 1, True, ())), ("a", 4, 32), (E.OP_END, None),
+                         ("f", 3, 8), ("a", 5, 32), ("f", 4, 32), (E.OP_END, None)])
+    out, rep = E.apply(rows, marks, E.EmulationSettings(adjustments=("host-scalars", "cpu-kernel-scratch")))
+    assert _sizes(out) == [("a", 4096), ("a", 32), ("a", 32), ("f", 32)]
+    assert rep.dropped["cpu-kernel-scratch"] == [1, 64] and rep.dropped["host-scalars"] == [1, 8]
 
 
 def test_cublas_workspace_once_per_thread_after_the_output():
     spec = []
     for thread in ("caller", "caller", "autograd", "autograd"):
-        spec += [(E.OP_BEGIN, ("mm", thread, 0, True)), ("a", len(spec) + 1, 4096), (E.OP_END, None)]
-    spec += [(E.OP_BEGIN, ("add", "caller", 0, True)), ("a", 99, 4096), (E.OP_END, None)]
+        spec += [(E.OP_BEGIN, ("mm", thread, 0, True, ())), ("a", len(spec) + 1, 4096), (E.OP_END, None)]
+    spec += [(E.OP_BEGIN, ("add", "caller", 0, True, ())), ("a", 99, 4096), (E.OP_END, None)]
     rows, marks = _rows(spec)
     out, rep = E.apply(rows, marks, E.EmulationSettings(adjustments=("cublas-workspace",),
                                                         cublas_workspace_config=None))

@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .rlhf.cli_run import add_run_parser  # noqa: PLC0415 (keeps `replay` free of torch imports)
     add_run_parser(sub)
+    from .command.cli import add_capture_parser  # noqa: PLC0415 - `rlhfmem capture -- COMMAND`
+    add_capture_parser(sub)
     return p
 
 

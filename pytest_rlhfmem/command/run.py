@@ -8,6 +8,7 @@ turns them into the result (same schema as ``rlhfmem run``), a timeout kills eve
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -103,19 +104,22 @@ def _torchrun_nproc(argv: list[str]) -> int | None:
     return nproc * nnodes if nproc is not None else None
 
 
-def recorder_library(env: dict) -> str | None:
-    """Build the CPU allocation recorder once (under a file lock) and return its shared library's path,
-    or ``None`` where it cannot be built (the ranks then fall back to torch.profiler, labelled)."""
+@functools.lru_cache(maxsize=1)
+def recorder_library() -> str | None:
+    """Build the CPU allocation recorder once (under a file lock; cached in torch's extension directory)
+    and return its shared library's path, or ``None`` where it cannot be built (the ranks then fall back
+    to torch.profiler, and their results say so). Loads torch in this process, once per process."""
     from filelock import FileLock
+
+    from ..memory.cpu_recorder import load_recorder
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
-    code = "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nprint(load_recorder().__file__)\n"
-    env = {k: v for k, v in env.items() if not k.startswith("RLHFMEM_")}
     with FileLock(str(cache / "cpu-recorder.lock")):  # not DeepSpeed's op lock: nothing else to wait for
-        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
-    lines = p.stdout.strip().splitlines()
-    return lines[-1] if p.returncode == 0 and lines else None
+        try:
+            return load_recorder().__file__
+        except RuntimeError:
+            return None
 
 
 def run_command(command: Sequence[str] | str, id: str, world_size: int | None = None,  # noqa: A002
@@ -144,7 +148,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if is_torchrun:  # torchrun sets these per worker; inherited ones would make its agent look like a rank
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
             run_env.pop(k, None)
-    library = recorder_library(run_env) if device == "cpu" else None
+    library = recorder_library() if device == "cpu" else None
     run_env.update({
         "PYTHONPATH": os.pathsep.join([str(BOOTSTRAP_DIR), str(PACKAGE_ROOT)]
                                       + ([run_env["PYTHONPATH"]] if run_env.get("PYTHONPATH") else [])),

@@ -68,7 +68,7 @@ def test_three_phase_marks_give_three_phases_each_merged_over_its_repeats(tmp_pa
     res = json.loads(out.read_text())
     assert list(res["phases"]) == ["run", "generate", "score", "train"]
     windows = {p["phase"]: p["windows"] for p in res["ranks"][0]["phases"]}
-    assert windows == {"run": 4, "generate": 3, "score": 3, "train": 3}  # run resumes after each phase
+    assert windows == {"run": 10, "generate": 3, "score": 3, "train": 3}  # run resumes after each phase
     assert res["peak_phase"] in ("score", "train")
     for line in ("phase * peak reserved * peak allocated * fragmentation * cudaMalloc * time",
                  "generate *", "score *", "train *", "iteration *"):
@@ -111,7 +111,7 @@ def test_hugging_face_trainer_runs_unchanged_under_capture(tmp_path):
 ])
 def test_bad_input_is_one_line_and_exit_2(command, message):
     args = command if "--" in command else ["--id", "bad", "--", *command]
-    r = capture(*args, timeout=300)
+    r = capture(*args)
     assert r.returncode == 2
     assert message in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2  # argparse: usage + error
@@ -134,6 +134,13 @@ def test_merge_windows_peaks_are_maxima_counts_and_times_sums():
     assert (train["peak_reserved"], train["fragmentation_at_peak"], train["peak_allocated"]) == (30, 4, 25)
     assert (train["cuda_malloc_count"], train["time_s"], train["wall_s"], train["windows"]) == (5, 5.0, 0.75, 2)
     assert rows[0]["wall_s"] == 9.0
+    # CUDA: every occurrence carries memory_stats() figures -> they win (peaks max, counts summed)
+    real = [Rec("train", 0.5), Rec("train", 0.25)]
+    for r, (pr, n) in zip(real, ((40, 1), (50, 2))):
+        r.cuda_stats = {"peak_reserved": pr, "peak_allocated": pr - 5, "cuda_malloc_count": n,
+                        "cuda_free_count": 0, "alloc_retries": 0, "ooms": 0}
+    train = merge_windows(w, real, "run", 9.0)[1]
+    assert (train["peak_reserved"], train["peak_allocated"], train["cuda_malloc_count"]) == (50, 45, 3)
 
 
 FIXTURE_TEST = """

@@ -105,7 +105,8 @@ def merge_windows(windows: list[dict], records: list, root: str | None, wall_s: 
     """One row per phase name, in order of first appearance: a name's windows (repeats, or resumptions
     after a nested phase) merge as peaks = max (fragmentation and inactive split taken at the max peak
     reserved), counts and times = sum. ``wall_s``: the sum of that name's phase records (the root
-    window's is the rank's whole wall time)."""
+    window's is the rank's whole wall time). On CUDA, when every occurrence of a name carries the real
+    allocator's ``memory_stats()`` figures, those win: peaks max, counts summed."""
     rows: dict[str, dict] = {}
     for w in windows:
         r = rows.get(w["phase"])
@@ -122,11 +123,19 @@ def merge_windows(windows: list[dict], records: list, root: str | None, wall_s: 
                 r[k] = (r.get(k) or 0) + (w.get(k) or 0)
         r["end_us"] = w.get("end_us", r.get("end_us"))
     walls: dict[str, float] = {}
+    stats: dict[str, list] = {}
     for p in records:
         walls[p.name] = walls.get(p.name, 0.0) + p.wall_s
+        stats.setdefault(p.name, []).append(getattr(p, "cuda_stats", None))
     for name, r in rows.items():
         r["wall_s"] = round(wall_s if name == root else walls.get(name, r.get("wall_s", 0.0)), 6)
         r["windows"] = sum(1 for w in windows if w["phase"] == name)
+        real = stats.get(name, [])
+        if real and all(real):  # CUDA: the real allocator's memory_stats() of every occurrence win
+            for k in ("peak_reserved", "peak_allocated"):
+                r[k] = max(st[k] for st in real)
+            for k in ("cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms"):
+                r[k] = sum(st[k] for st in real)
     return list(rows.values())
 
 
@@ -197,7 +206,10 @@ def start_command_capture() -> None:
     if device == "cuda":
         import torch
 
+        # CUDA state first (torch.cuda.init), on this rank's device: the caching allocator must exist
+        # before memory history is switched on, and the context must not land on device 0 for every rank.
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+        torch.cuda.init()
     world_size = int(env.get("WORLD_SIZE", env.get(ENV_WORLD_SIZE, "1")))
     ident = CommandIdentity(env.get(ENV_ID, "command"), tuple(json.loads(env.get(ENV_COMMAND, "[]"))), world_size)
     cap = RankCapture(ident, device, Path(out), rank, world_size, root=ROOT_PHASE,

@@ -42,7 +42,9 @@ def load_recorder():
 
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:10]
+        # The source's path is in the digest too: checkouts sharing torch's extension cache would otherwise
+        # share one build directory whose build.ninja names another checkout's source, and rebuild in turn.
+        digest = hashlib.sha1(SOURCE.read_bytes() + str(SOURCE.resolve()).encode()).hexdigest()[:10]
         try:
             _ext = load(f"rlhfmem_cpu_alloc_recorder_{digest}", [str(SOURCE)], extra_cflags=["-O2"], verbose=False)
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the fallback

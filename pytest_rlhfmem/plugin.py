@@ -402,7 +402,11 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
                                snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work, env=env,
                                cwd=cwd)
         except CommandError as exc:
-            pytest.fail(f"rlhfmem_command({id!r}): {exc}", pytrace=False)
+            bad = str(exc)
+        else:
+            bad = None
+        if bad:  # outside the except block: one message, no chained traceback
+            pytest.fail(f"rlhfmem_command({id!r}): {bad}", pytrace=False)
         result = IterationResult(data)
         rlhfmem_session.record(request.node.nodeid, result)
         if not result.ok:

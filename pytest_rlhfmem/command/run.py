@@ -68,9 +68,9 @@ def plan_command(command: Sequence[str] | str, world_size: int | None = None,
     if not _is_python(argv[0]):
         raise CommandError(f"{prog} is not a Python program: give a script, python -m MODULE, or a torchrun line")
     if n is not None and n > 1:
-        rest = argv[1:]
-        if rest and rest[0] == "-m":
-            rest = ["-m", *rest[1:]]
+        rest = argv[1:]  # a script and its arguments, or -m MODULE ... (torchrun takes both)
+        if not rest or rest[0] == "-c":
+            raise CommandError("torchrun runs a script or -m MODULE, not python -c: write the code to a file")
         argv = [argv[0], "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                 "--max-restarts=0", *rest]
         return argv, n, True

@@ -79,6 +79,7 @@ class Recorder:
     root: str | None = None  # the window of allocations outside every phase (None: recipes, no such window)
     _stack: list[PhaseRecord] = field(default_factory=list)  # open phases, innermost last
     _empty_cache: Callable[[], None] | None = None  # the original torch.cuda.empty_cache while intercepted
+    error_phase: str | None = None  # the innermost phase an exception propagated out of
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,7 +141,10 @@ class Recorder:
 
     @property
     def current_phase(self) -> str:
-        """The innermost open phase, else the root window, else the last phase (``"startup"`` before any)."""
+        """The phase an exception is leaving, else the innermost open phase, else the root window, else
+        the last phase (``"startup"`` before any)."""
+        if self.error_phase is not None:
+            return self.error_phase
         if self._stack:
             return self._stack[-1].name
         return self.root or (self.phases[-1].name if self.phases else "startup")
@@ -166,9 +170,13 @@ class Recorder:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_stats()
         self._mark(PHASE, name)
+        self.error_phase = None  # a phase began: an exception seen before was handled
         t0 = time.perf_counter()
         try:
             yield rec
+        except BaseException:
+            self.error_phase = self.error_phase or name  # the innermost phase the exception left
+            raise
         finally:
             if cuda_stats and not rec.nested:
                 import torch

@@ -200,3 +200,4 @@ def test_exits_before_torch(rlhfmem_command):
     r.stdout.fnmatch_lines(["*rlhfmem_command('missing'): command not found: no-such-trainer*"])
     r.stdout.fnmatch_lines(["*rlhfmem_command('early-exit'): * -c 'raise SystemExit(5)' exited with code 5 "
                             "before its first allocation*"])
+    assert "During handling of the above exception" not in r.stdout.str()

@@ -1,0 +1,19 @@
+"""pytest-rlhfmem: keep RLHF (PPO) training inside its GPU memory budget.
+
+The public recorder API (no torch import here; every call is a no-op without an active capture)::
+
+    import pytest_rlhfmem as rlhfmem
+
+    with rlhfmem.phase("generate"):
+        ...
+    rlhfmem.flush_point("after-generate")
+
+See :mod:`pytest_rlhfmem.api`.
+"""
+
+from .api import (
+    NULL_PHASE, active, deepspeed_offload, flush_point, host_resident, moved_to_device, moved_to_host, phase,
+)
+
+__all__ = ["NULL_PHASE", "active", "deepspeed_offload", "flush_point", "host_resident", "moved_to_device",
+           "moved_to_host", "phase"]

@@ -109,7 +109,8 @@ def _plot(args: argparse.Namespace) -> int:
     except ReportInputError as exc:
         raise CliError(str(exc)) from None
     labels = args.labels.split(",") if args.labels else [
-        r["scenario"]["flush"] if len({x["scenario"]["flush"] for x in results}) == len(results) else r["scenario_id"]
+        r["scenario"].get("flush", r["scenario_id"]) if len({x["scenario"].get("flush") for x in results}) == len(results)
+        else r["scenario_id"]
         for r in results]
     if len(labels) != len(results):
         raise CliError(f"--labels needs {len(results)} comma-separated names")
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .rlhf.cli_run import add_run_parser  # noqa: PLC0415 (keeps `replay` free of torch imports)
     add_run_parser(sub)
+    from .command.cli import add_capture_parser  # noqa: PLC0415 - `rlhfmem capture -- COMMAND`
+    add_capture_parser(sub)
     return p
 
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -373,6 +373,44 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
                                 cuda_emulation=_opt(request.config, "rlhfmem_cuda_emulation"))
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
+        result = IterationResult(data)
+        rlhfmem_session.record(request.node.nodeid, result)
+        if not result.ok:
+            pytest.fail(result.describe_failure(), pytrace=False)
+        return result
+
+    return run
+
+
+@pytest.fixture
+def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSession,
+                    tmp_path_factory: pytest.TempPathFactory) -> Callable[..., IterationResult]:
+    """Factory: ``rlhfmem_command(cmd, *, id, world_size=None, timeout=None, env=None, device=None,
+    cwd=None)`` runs YOUR training command (a script, ``python -m module`` or a torchrun line; a list or a
+    shell-like string) with every rank recorded from its first allocation, as ``rlhfmem capture`` does, and
+    returns the same :class:`IterationResult` as ``ppo_iteration``: ``memory_budget.check(result)`` keys the
+    budget entry by ``id``. ``world_size`` > 1 wraps a plain command in torchrun; ``timeout`` (seconds)
+    defaults to ``--rlhfmem-timeout``; ``env`` adds environment variables. A crashed, hung or OOM rank
+    fails the test with its rank, phase and memory so far; a command that cannot run (not found, exits
+    before its first allocation, never imports torch) fails the test naming the command."""
+    from .command.run import CommandError, run_command
+
+    def run(cmd: Sequence[str] | str, *, id: str, world_size: int | None = None,  # noqa: A002
+            timeout: float | None = None, env: dict | None = None, device: str | None = None,
+            cwd: str | Path | None = None) -> IterationResult:
+        work = tmp_path_factory.mktemp("rlhfmem-command")
+        try:
+            data = run_command(cmd, id, world_size=world_size,
+                               device=device or _opt(request.config, "rlhfmem_device"),
+                               timeout=timeout or _opt(request.config, "rlhfmem_timeout"),
+                               snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work, env=env,
+                               cwd=cwd)
+        except CommandError as exc:
+            bad = str(exc)
+        else:
+            bad = None
+        if bad:  # outside the except block: one message, no chained traceback
+            pytest.fail(f"rlhfmem_command({id!r}): {bad}", pytrace=False)
         result = IterationResult(data)
         rlhfmem_session.record(request.node.nodeid, result)
         if not result.ok:

@@ -262,7 +262,7 @@ def flush_tradeoffs(results: list[dict]) -> list[str]:
     by_id = {r["scenario_id"]: r for r in results if r.get("status") == "ok"}
     lines = []
     for sid, r in sorted(by_id.items()):
-        if "/flush-none/" in sid:
+        if "/flush-none/" in sid or "flush" not in r.get("scenario", {}):  # recipes only, not commands
             continue
         base = by_id.get(sid.replace(f"/flush-{r['scenario']['flush']}/", "/flush-none/"))
         if not base:

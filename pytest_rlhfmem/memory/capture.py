@@ -54,12 +54,18 @@ class PhaseRecord:
     name: str
     wall_s: float = 0.0
     cuda_stats: dict | None = None  # CUDA only: memory_stats() figures of this phase
+    nested: bool = False  # a phase was nested inside this one (its CUDA stats would span the inner one)
 
 
 @dataclass
 class Recorder:
     """Records one rank. Use: ``start()`` before building models, ``phase(name)`` around each phase,
-    ``flush(point)`` where the policy empties the cache, the placement calls, then ``stop()``."""
+    ``flush(point)`` where the policy empties the cache, the placement calls, then ``stop()``.
+
+    Phases nest: when an inner phase ends, the enclosing one resumes (a new window of the same name).
+    With ``root`` set (``rlhfmem capture``), allocations outside every phase belong to a window of that
+    name (``"run"``), so a trace with no phase marks is one window covering the whole run.
+    """
 
     device: str  # "cpu" | "cuda"
     on_phase: Callable[[str], None] | None = None  # called at each phase start (progress files)
@@ -78,6 +84,10 @@ class Recorder:
     keep_raw_rows: bool = False  # keep the recorder rows (``raw_rows``) for re-deriving traces
     raw_rows: list | None = None
     _op_mode: object = None
+    root: str | None = None  # the window of allocations outside every phase (None: recipes, no such window)
+    _stack: list[PhaseRecord] = field(default_factory=list)  # open phases, innermost last
+    _empty_cache: Callable[[], None] | None = None  # the original torch.cuda.empty_cache while intercepted
+    error_phase: str | None = None  # the innermost phase an exception propagated out of
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,9 +120,12 @@ class Recorder:
                 self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
                 self._prof.__enter__()
                 self.backend = "torch.profiler profile_memory (main thread only)"
+        if self.root is not None:
+            self._mark(PHASE, self.root)
 
     def stop(self) -> Trace:
         """Stop recording and return the device trace (phases, flushes, placement applied)."""
+        self.restore_empty_cache()
         if self.device == "off":
             return Trace(events=[], capture="none", source="capture off")
         if self.device == "cuda":
@@ -137,37 +150,64 @@ class Recorder:
         with record_function(f"{_MARK}{k}"):
             pass
 
+    @property
+    def current_phase(self) -> str:
+        """The phase an exception is leaving, else the innermost open phase, else the root window, else
+        the last phase (``"startup"`` before any)."""
+        if self.error_phase is not None:
+            return self.error_phase
+        if self._stack:
+            return self._stack[-1].name
+        return self.root or (self.phases[-1].name if self.phases else "startup")
+
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[PhaseRecord]:
-        """Mark a phase; measures its wall time and, on CUDA, its memory_stats()."""
+        """Mark a phase; measures its wall time (seconds, nested phases included) and, on CUDA, its
+        memory_stats() (a top-level phase with no phase nested in it; otherwise the trace's figures)."""
         rec = PhaseRecord(name)
         self.phases.append(rec)
+        nested = bool(self._stack)
+        if nested:
+            self._stack[-1].cuda_stats = None
+            self._stack[-1].nested = True
+        self._stack.append(rec)
         if self.on_phase is not None:
             self.on_phase(name)
-        if self.device == "cuda":
+        cuda_stats = self.device == "cuda" and not nested
+        if cuda_stats:
             import torch
 
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_stats()
         self._mark(PHASE, name)
+        self.error_phase = None  # a phase began: an exception seen before was handled
         t0 = time.perf_counter()
         try:
             yield rec
+        except BaseException:
+            self.error_phase = self.error_phase or name  # the innermost phase the exception left
+            raise
         finally:
-            if self.device == "cuda":
+            if cuda_stats and not rec.nested:
                 import torch
 
                 torch.cuda.synchronize()
                 rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
-            rec.wall_s = time.perf_counter() - t0
+            rec.wall_s += time.perf_counter() - t0
+            self._stack.pop()
+            resume = self._stack[-1].name if self._stack else self.root
+            if resume is not None:  # the enclosing phase (or the root window) resumes
+                self._mark(PHASE, resume)
+                if self.on_phase is not None:
+                    self.on_phase(resume)
 
     def flush(self, point: str) -> None:
         """The flush policy's ``torch.cuda.empty_cache()``: real on CUDA, a FLUSH event on CPU."""
         if self.device == "cuda":
             import torch
 
-            torch.cuda.empty_cache()
+            (self._empty_cache or torch.cuda.empty_cache)()
         self._mark(FLUSH, point)
 
     @contextlib.contextmanager
@@ -179,6 +219,37 @@ class Recorder:
             yield
         finally:
             self._mark(POOL_EXIT, pool_id)
+
+    def intercept_empty_cache(self) -> None:
+        """Record every ``torch.cuda.empty_cache()`` call of the code under test (or a library) as a FLUSH
+        named ``empty_cache@<file>:<line>`` of its caller, then run the real one (a no-op without CUDA).
+        Patches ``torch.cuda.empty_cache`` and ``torch.cuda.memory.empty_cache``; ``stop()`` restores them.
+        Code that bound the function before the patch (``from torch.cuda import empty_cache`` at import)
+        is not seen: the capture bootstrap patches it as torch finishes importing, before user code."""
+        import sys
+
+        import torch
+
+        if self.device == "off" or self._empty_cache is not None:
+            return
+        original = torch.cuda.memory.empty_cache
+
+        def empty_cache() -> None:
+            caller = sys._getframe(1)
+            original()
+            self._mark(FLUSH, f"empty_cache@{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}")
+
+        empty_cache.__doc__ = original.__doc__
+        empty_cache.__wrapped__ = original  # type: ignore[attr-defined]
+        self._empty_cache = original
+        torch.cuda.empty_cache = torch.cuda.memory.empty_cache = empty_cache
+
+    def restore_empty_cache(self) -> None:
+        if self._empty_cache is not None:
+            import torch
+
+            torch.cuda.empty_cache = torch.cuda.memory.empty_cache = self._empty_cache
+            self._empty_cache = None
 
     def host_resident(self, tensors: Iterable) -> None:
         st = _storages(tensors)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..memory.capture import Recorder
+from ..placement import deepspeed_offloaded_tensors
 from . import ppo
 from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
 from .models import ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
@@ -158,31 +159,10 @@ def make_optimizer(model: torch.nn.Module, offload: bool, device: str):
 
 
 def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
-    """Tensors DeepSpeed keeps in host memory under ZeRO-3 CPU offload (``stage3.py``,
-    ``partition_parameters.py``): fp32 master partitions and their grads, the optimizer states, the
-    flat gradient buffer, and the parameters' partitions (``ds_tensor``)."""
-    if not offload:
-        return []
-    out: list[torch.Tensor] = []
-    opt = getattr(engine, "optimizer", None)
-    for name in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "param_groups_fp16_flat_cpu_memory"):
-        for t in getattr(opt, name, None) or []:
-            if isinstance(t, torch.Tensor):
-                out.append(t)
-                if t.grad is not None:
-                    out.append(t.grad)
-    buf = getattr(opt, "grad_partitions_flat_buffer", None)
-    if isinstance(buf, torch.Tensor):
-        out.append(buf)
-    inner = getattr(opt, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    module = engine.module if hasattr(engine, "module") else engine
-    for p in module.parameters():
-        ds_tensor = getattr(p, "ds_tensor", None)
-        if isinstance(ds_tensor, torch.Tensor):
-            out.append(ds_tensor)
-    return out
+    """Tensors DeepSpeed keeps in host memory under ZeRO-3 CPU offload: fp32 partitions and their grads,
+    optimizer states, the flat gradient buffer, parameter partitions (``ds_tensor``). The shared rule of
+    ``rlhfmem.deepspeed_offload``: :func:`pytest_rlhfmem.placement.deepspeed_offloaded_tensors`."""
+    return deepspeed_offloaded_tensors(engine, offload)
 
 
 # ---------------------------------------------------------------------------------------------------

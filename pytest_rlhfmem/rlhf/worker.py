@@ -5,9 +5,10 @@ Started by ``launch.py`` through torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
     python -m torch.distributed.run --standalone --nproc-per-node N -m pytest_rlhfmem.rlhf.worker \
         --scenario '{...}' --out-dir DIR --device cpu
 
-Files it writes in ``--out-dir``: ``progress-rank<R>.json`` at each phase start (pid, phase, host RSS:
-what a hung rank leaves behind) and ``result-rank<R>.json`` at the end (also on a failure, with the
-phase, the error and the memory figures up to it).
+Files it writes in ``--out-dir`` (through ``command/rank.py``, the capture path ``rlhfmem capture`` uses
+too): ``progress-rank<R>.json`` at each phase start (pid, phase, host RSS: what a hung rank leaves
+behind) and ``result-rank<R>.json`` at the end (also on a failure, with the phase, the error and the
+memory figures up to it).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import json
 import os
 import platform
 import sys
-import time
-import traceback
 from pathlib import Path
 
 RESULT_SCHEMA = 1
@@ -35,20 +34,6 @@ def versions() -> dict:
         except PackageNotFoundError:
             pass
     return out
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, recipe_info: dict | None,
@@ -122,23 +107,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..memory.capture import Recorder
-    from ..memory.trace import write_snapshot
+    from ..command.rank import RankCapture
     from .scenario import Scenario
 
     scenario = Scenario.from_dict(json.loads(args.scenario))
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    out = Path(args.out_dir)
     threads = scenario.get("threads", 1)
     torch.set_num_threads(threads)  # the allocation sequence depends on it: pinned and recorded
-    progress = out / f"progress-rank{rank}.json"
-
-    def on_phase(name: str) -> None:
-        _write_json(progress, {"rank": rank, "pid": os.getpid(), "phase": name, "host_rss": _rss_bytes(),
-                               "time": time.time()})
-
-    on_phase("startup")
+    # The one capture path (rlhfmem capture uses it too): the recorder is the public API's active
+    # handle, so rlhfmem.phase(...) inside a recipe or a library lands in the same trace as rec.phase.
+    cap = RankCapture(scenario, args.device, Path(args.out_dir), rank, world_size, capture=not args.no_capture,
+                      snapshot_dir=args.snapshot_dir, threads=threads, cuda_emulation=args.cuda_emulation)
+    cap.progress("startup")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -153,39 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         colossalai.launch_from_torch(backend=backend, seed=scenario.get("seed", 1234), verbose=False)
         import colossalai.booster  # noqa: F401 - imported before the iteration's clock starts
         from .colossalchat import run_iteration  # type: ignore[no-redef]
-    from ..memory.emulation import parse_switch
-
-    rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase,
-                   cuda_emulation=parse_switch(args.cuda_emulation))
     error = None
     info = None
-    t0 = time.perf_counter()
-    rec.start()
+    rec = cap.start()
     try:
         info = run_iteration(scenario, rec, args.device, rank, world_size)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
-        is_oom = "OutOfMemoryError" in type(exc).__name__ or "out of memory" in str(exc).lower()
-        error = {"phase": rec.phases[-1].name if rec.phases else "startup", "time": time.time(),
-                 "type": "OOM" if is_oom else type(exc).__name__, "message": str(exc)[:2000],
-                 "traceback": traceback.format_exc()[-4000:]}
-    wall = time.perf_counter() - t0
-    trace = rec.stop()
-    result = rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall)
-    if args.snapshot_dir and not args.no_capture:
-        from ..memory.replay import ANCHORED, FREE_RUNNING, replay
-        from ..memory.trace import CAPTURE_CUDA, Trace
-
-        snap_dir = Path(args.snapshot_dir)
-        name = scenario.id.replace("/", "__") + f"__rank{rank}.pickle"
-        if trace.capture == CAPTURE_CUDA:  # the real allocator's own snapshot
-            note = "measured: CUDA memory history"
-            out_trace, segments = trace, replay(trace, mode=ANCHORED, record_series=False).segments
-        else:  # the replayed trace: addresses and segment events are the model's
-            note = "simulated: CPU allocation trace replayed through the CUDA caching allocator model"
-            sim = replay(trace, mode=FREE_RUNNING, record_series=False, record_events=True)
-            out_trace, segments = Trace(events=sim.events or [], capture=trace.capture), sim.segments
-        result["snapshot"] = str(write_snapshot(snap_dir / name, out_trace, segments, note=note))
-    _write_json(out / f"result-rank{rank}.json", result)
+        error = cap.error_from(exc)
+    cap.finish(info, error)
     code = 1 if error else 0
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,64 @@
+"""``rlhfmem capture [options] -- COMMAND [ARGS...]``: any training command, measured rank by rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..rlhf.launch import DEFAULT_TIMEOUT_S
+from ..rlhf.scenario import DEVICES
+
+
+def add_capture_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser(
+        "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
+        "recorded and print per-phase memory",
+        usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda] [--json OUT] "
+              "[--snapshot-dir DIR] [--timeout S] [--id ID] -- COMMAND [ARGS...]")
+    ws = c.add_mutually_exclusive_group()
+    ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
+    ws.add_argument("--nproc-per-node", type=int, default=None, help="same as --world-size (one node)")
+    c.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto = CUDA when enough devices, else CPU with the allocator model (simulated)")
+    c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
+    c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
+    c.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds before every process is killed and the run reported as hung")
+    c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key); "
+                   "default: the command line")
+    c.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
+    c.set_defaults(func=_capture)
+
+
+def _capture(args: argparse.Namespace) -> int:
+    from ..errors import CliError
+    from ..results import IterationResult
+    from ..rlhf.cli_run import phase_table
+    from .run import CommandError, run_command
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise CliError("no command given: rlhfmem capture [options] -- COMMAND [ARGS...]")
+    if args.timeout <= 0:
+        raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    ident = args.capture_id or " ".join(cmd)
+    try:
+        result = run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
+                             device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
+    except CommandError as exc:
+        raise CliError(str(exc)) from None
+    label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
+             if result["simulated"] else "measured: CUDA caching allocator")
+    print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    if result["status"] != "ok":
+        print("FAILED: " + IterationResult(result).describe_failure())
+        print(f"command output: {result['log']}")
+        return 1
+    for line in phase_table(result):
+        print(line)
+    print(f"peak reserved reached in phase: {result['peak_phase']}")
+    return 0

@@ -1,0 +1,193 @@
+"""Launch a user's training command with every rank recorded, enforce the timeout, gather the ranks.
+
+The command runs as given (a script path gets this interpreter in front), in its own session, with
+``bootstrap/`` first on ``PYTHONPATH`` so each rank starts recording when it imports torch. The ranks'
+files and the failure handling are ``rlhf/launch.py``'s: :func:`~pytest_rlhfmem.rlhf.launch.aggregate`
+turns them into the result (same schema as ``rlhfmem run``), a timeout kills every process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..rlhf.launch import DEFAULT_TIMEOUT_S, _kill_leftover_workers, _terminate, _worker_env, aggregate, resolve_device
+from . import rank as R
+
+BOOTSTRAP_DIR = Path(__file__).with_name("bootstrap")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding pytest_rlhfmem/
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+class CommandError(ValueError):
+    """Bad input: a command that cannot run, or that ran without anything to measure. One line."""
+
+
+def plan_command(command: Sequence[str] | str, world_size: int | None = None,
+                 nproc_per_node: int | None = None) -> tuple[list[str], int, bool]:
+    """``(argv, world_size, is_torchrun)`` for ``command`` (a list, or a string split like a shell).
+
+    A ``.py`` path gets this interpreter in front. With ``world_size``/``nproc_per_node`` a plain Python
+    command is wrapped in ``python -m torch.distributed.run --standalone --nproc-per-node N``; a torchrun
+    line (``torchrun ...`` or ``python -m torch.distributed.run ...``) keeps its own ``--nproc-per-node``.
+    Raises :class:`CommandError` for an empty command, a program or script that does not exist, a
+    non-Python program, or a world size that disagrees with the torchrun line's.
+    """
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    if not argv:
+        raise CommandError("no command given: rlhfmem capture [options] -- COMMAND [ARGS...]")
+    if world_size is not None and nproc_per_node is not None and world_size != nproc_per_node:
+        raise CommandError(f"--world-size {world_size} and --nproc-per-node {nproc_per_node} disagree")
+    n = nproc_per_node if nproc_per_node is not None else world_size
+    if n is not None and n < 1:
+        raise CommandError(f"world size must be a positive integer, got {n}")
+    prog = argv[0]
+    if prog.endswith(".py"):
+        if not Path(prog).is_file():
+            raise CommandError(f"command not found: {prog} (no such script)")
+        argv = [sys.executable, *argv]
+    elif shutil.which(prog) is None:
+        raise CommandError(f"command not found: {prog}")
+    is_torchrun = Path(argv[0]).name in ("torchrun",) or _module_of(argv) in TORCHRUN_MODULES
+    if is_torchrun:
+        own = _torchrun_nproc(argv)
+        if n is not None and own is not None and own != n:
+            raise CommandError(f"world size {n} disagrees with the torchrun line's --nproc-per-node {own}")
+        if own is None and n is not None:
+            argv = argv[:_torchrun_args_start(argv)] + [f"--nproc-per-node={n}"] + argv[_torchrun_args_start(argv):]
+        return argv, own or n or 1, True
+    if not _is_python(argv[0]):
+        raise CommandError(f"{prog} is not a Python program: give a script, python -m MODULE, or a torchrun line")
+    if n is not None and n > 1:
+        rest = argv[1:]  # a script and its arguments, or -m MODULE ... (torchrun takes both)
+        if not rest or rest[0] == "-c":
+            raise CommandError("torchrun runs a script or -m MODULE, not python -c: write the code to a file")
+        argv = [argv[0], "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                "--max-restarts=0", *rest]
+        return argv, n, True
+    return argv, 1, False
+
+
+def _is_python(prog: str) -> bool:
+    name = Path(prog).name
+    return name.startswith("python") or Path(prog).resolve() == Path(sys.executable).resolve()
+
+
+def _module_of(argv: list[str]) -> str | None:
+    return argv[2] if len(argv) > 2 and argv[1] == "-m" else None
+
+
+def _torchrun_args_start(argv: list[str]) -> int:
+    return 3 if _module_of(argv) in TORCHRUN_MODULES else 1
+
+
+def _torchrun_nproc(argv: list[str]) -> int | None:
+    """The ``--nproc-per-node`` of a torchrun line (times ``--nnodes`` when a fixed integer)."""
+    nproc, nnodes = None, 1
+    for i, a in enumerate(argv):
+        key, _, val = a.partition("=")
+        if key in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):
+            val = val or (argv[i + 1] if i + 1 < len(argv) else "")
+            if key == "--nnodes":
+                nnodes = int(val) if val.isdigit() else 1
+            elif val.isdigit():
+                nproc = int(val)
+    return nproc * nnodes if nproc is not None else None
+
+
+@functools.lru_cache(maxsize=1)
+def recorder_library() -> str | None:
+    """Build the CPU allocation recorder once (under a file lock; cached in torch's extension directory)
+    and return its shared library's path, or ``None`` where it cannot be built (the ranks then fall back
+    to torch.profiler, and their results say so). Loads torch in this process, once per process."""
+    from filelock import FileLock
+
+    from ..memory.cpu_recorder import load_recorder
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / "cpu-recorder.lock")):  # not DeepSpeed's op lock: nothing else to wait for
+        try:
+            return load_recorder().__file__
+        except RuntimeError:
+            return None
+
+
+def run_command(command: Sequence[str] | str, id: str, world_size: int | None = None,  # noqa: A002
+                nproc_per_node: int | None = None, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
+                env: dict | None = None, cwd: str | Path | None = None) -> dict:
+    """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
+    ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
+
+    A crash, OOM or hang of any rank is a result with ``status`` ``failed`` and its rank, phase and
+    memory so far (never an exception). ``env`` adds to this process's environment. Raises
+    :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, or a
+    command that ended before any rank imported torch (nothing was measured).
+    """
+    if not id or not isinstance(id, str):
+        raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
+    argv, n, is_torchrun = plan_command(command, world_size, nproc_per_node)
+    device = resolve_device(device, n)
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    run_env = _worker_env(device, 1)  # CPU: CUDA hidden, DeepSpeed's CPU accelerator; hubs offline
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's thread settings stand (torchrun sets its own)
+        run_env.pop("OMP_NUM_THREADS")
+    run_env.update(env or {})
+    if is_torchrun:  # torchrun sets these per worker; inherited ones would make its agent look like a rank
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            run_env.pop(k, None)
+    library = recorder_library() if device == "cpu" else None
+    run_env.update({
+        "PYTHONPATH": os.pathsep.join([str(BOOTSTRAP_DIR), str(PACKAGE_ROOT)]
+                                      + ([run_env["PYTHONPATH"]] if run_env.get("PYTHONPATH") else [])),
+        R.ENV_DIR: str(work), R.ENV_DEVICE: device, R.ENV_ID: id, R.ENV_COMMAND: json.dumps(argv),
+        R.ENV_WORLD_SIZE: str(n), R.ENV_TORCHRUN: "1" if is_torchrun else "0",
+    })
+    if snapshot_dir:
+        Path(snapshot_dir).mkdir(parents=True, exist_ok=True)
+        run_env[R.ENV_SNAPSHOT_DIR] = str(Path(snapshot_dir).resolve())
+    if library:
+        run_env["RLHFMEM_RECORDER_LIBRARY"] = library
+    log_path = work / "command.log"
+    timed_out = False
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=run_env, cwd=cwd)
+        except OSError as exc:
+            raise CommandError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _terminate(proc)
+    _kill_leftover_workers(work)
+    started = sorted(work.glob("claim-rank*"))
+    if not started and not timed_out:
+        tail = _last_line(log_path)
+        if proc.returncode != 0:
+            raise CommandError(f"{shlex.join(argv)} exited with code {proc.returncode} before its first allocation "
+                               f"(torch was never imported){': ' + tail if tail else ''}")
+        raise CommandError(f"{shlex.join(argv)} finished without importing torch: nothing to measure")
+    ident = R.CommandIdentity(id, tuple(argv), n)
+    result = aggregate(ident, device, work, proc.returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+    result["command"] = argv
+    result["log"] = str(log_path)
+    return result
+
+
+def _last_line(path: Path) -> str:
+    lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""

@@ -1,0 +1,203 @@
+"""`rlhfmem capture -- COMMAND` and the `rlhfmem_command` fixture as a new user meets them: real training
+commands (plain PyTorch, torchrun with 2 ranks, a Hugging Face Trainer) in subprocesses and pytester
+sessions; the public API's null path checked structurally in a fresh interpreter."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import DATA
+
+from pytest_rlhfmem.command.rank import merge_windows
+
+pytest_plugins = ["pytester"]
+
+COMMANDS = DATA / "commands"
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny_ppo.py"
+
+
+def capture(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "capture", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_api_without_capture_loads_nothing_and_returns_the_null_context():
+    code = """
+import sys
+import pytest_rlhfmem as rlhfmem
+assert rlhfmem.active() is None
+ctx = rlhfmem.phase("generate")
+assert ctx is rlhfmem.NULL_PHASE and rlhfmem.phase("train") is ctx
+with ctx as value:
+    assert value is None
+assert rlhfmem.flush_point("after-generate") is None
+for call in (rlhfmem.host_resident, rlhfmem.moved_to_host, rlhfmem.moved_to_device, rlhfmem.deepspeed_offload):
+    assert call([object()]) is None  # not even looked at
+loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith(("torch.", "pytest_rlhfmem.memory",
+                                                                         "pytest_rlhfmem.command")))
+print(loaded)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_plain_script_without_rlhfmem_is_one_window_and_its_empty_cache_a_flush(tmp_path):
+    out = tmp_path / "plain.json"
+    r = capture("--id", "plain-loop", "--device", "cpu", "--json", str(out), "--", str(COMMANDS / "plain_train.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "plain-loop on cpu x1 (simulated" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["status"] == "ok" and res["scenario_id"] == "plain-loop" and res["simulated"]
+    assert res["scenario"] == {"kind": "command", "id": "plain-loop", "world_size": 1,
+                               "command": [sys.executable, str(COMMANDS / "plain_train.py")]}
+    assert list(res["phases"]) == ["run"]
+    assert res["phases"]["run"]["peak_reserved"] == res["metrics"]["peak_reserved"] > 1 << 20  # weights: 2 MiB
+    rank = res["ranks"][0]
+    assert rank["capture_backend"].startswith("rlhfmem CPU allocator recorder")
+    assert [f["name"] for f in rank["flushes"]] == ["empty_cache@plain_train.py:16"]
+
+
+def test_three_phase_marks_give_three_phases_each_merged_over_its_repeats(tmp_path):
+    out = tmp_path / "phased.json"
+    r = capture("--id", "phased", "--device", "cpu", "--json", str(out), "--", str(COMMANDS / "phased_train.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert list(res["phases"]) == ["run", "generate", "score", "train"]
+    windows = {p["phase"]: p["windows"] for p in res["ranks"][0]["phases"]}
+    assert windows == {"run": 10, "generate": 3, "score": 3, "train": 3}  # run resumes after each phase
+    assert res["peak_phase"] in ("score", "train")
+    for line in ("phase * peak reserved * peak allocated * fragmentation * cudaMalloc * time",
+                 "generate *", "score *", "train *", "iteration *"):
+        assert any(__import__("fnmatch").fnmatch(ln, line) for ln in r.stdout.splitlines()), line
+
+
+def test_torchrun_line_with_two_ranks_records_both_and_not_the_agent(tmp_path):
+    out = tmp_path / "ppo.json"
+    r = capture("--id", "tiny-ppo", "--device", "cpu", "--json", str(out), "--",
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and [x["rank"] for x in res["ranks"]] == [0, 1]
+    assert {"generate", "score", "train"} <= set(res["phases"])
+    assert all(x["flushes"][0]["name"] == "after-generate" for x in res["ranks"])
+    claims = sorted(p.name for p in Path(res["work_dir"]).glob("claim-rank*"))
+    assert claims == ["claim-rank0", "claim-rank1"]  # the torchrun agent claimed nothing
+
+
+def test_hugging_face_trainer_runs_unchanged_under_capture(tmp_path):
+    out = tmp_path / "hf.json"
+    r = capture("--id", "hf-trainer", "--device", "cpu", "--json", str(out), "--",
+                str(COMMANDS / "hf_trainer.py"), str(tmp_path / "hf-out"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["status"] == "ok" and list(res["phases"]) == ["run"]
+    # GPT-2 (2 layers, 64 wide, vocab 1000) + AdamW: ~0.2M parameters, weights + grads + 2 states >= 3 MiB
+    assert res["metrics"]["peak_allocated"] > 3 << 20
+    assert "trained 4 steps" in Path(res["log"]).read_text()
+
+
+@pytest.mark.parametrize("command, message", [
+    (["no-such-program-xyz"], "rlhfmem: error: command not found: no-such-program-xyz"),
+    (["missing_script.py"], "rlhfmem: error: command not found: missing_script.py (no such script)"),
+    ([sys.executable, "-c", "import sys; print('bad flag', file=sys.stderr); sys.exit(3)"],
+     "exited with code 3 before its first allocation (torch was never imported): bad flag"),
+    ([sys.executable, "-c", "pass"], "finished without importing torch: nothing to measure"),
+    (["--world-size", "2", "--nproc-per-node", "2", "--", sys.executable, "x.py"], "not allowed with argument"),
+    ([], "rlhfmem: error: no command given"),
+])
+def test_bad_input_is_one_line_and_exit_2(command, message):
+    args = command if "--" in command else ["--id", "bad", "--", *command]
+    r = capture(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2  # argparse: usage + error
+
+
+def test_merge_windows_peaks_are_maxima_counts_and_times_sums():
+    class Rec:
+        def __init__(self, name, wall_s):
+            self.name, self.wall_s = name, wall_s
+
+    w = [{"phase": "run", "peak_reserved": 10, "peak_allocated": 5, "fragmentation_at_peak": 1,
+          "inactive_split_at_peak": 1, "max_fragmentation": 1, "cuda_malloc_count": 1, "time_s": 1.0},
+         {"phase": "train", "peak_reserved": 30, "peak_allocated": 20, "fragmentation_at_peak": 4,
+          "inactive_split_at_peak": 4, "max_fragmentation": 4, "cuda_malloc_count": 2, "time_s": 2.0},
+         {"phase": "train", "peak_reserved": 20, "peak_allocated": 25, "fragmentation_at_peak": 9,
+          "inactive_split_at_peak": 9, "max_fragmentation": 9, "cuda_malloc_count": 3, "time_s": 3.0}]
+    rows = merge_windows(w, [Rec("train", 0.5), Rec("train", 0.25)], "run", 9.0)
+    assert [r["phase"] for r in rows] == ["run", "train"]
+    train = rows[1]
+    assert (train["peak_reserved"], train["fragmentation_at_peak"], train["peak_allocated"]) == (30, 4, 25)
+    assert (train["cuda_malloc_count"], train["time_s"], train["wall_s"], train["windows"]) == (5, 5.0, 0.75, 2)
+    assert rows[0]["wall_s"] == 9.0
+    # CUDA: every occurrence carries memory_stats() figures -> they win (peaks max, counts summed)
+    real = [Rec("train", 0.5), Rec("train", 0.25)]
+    for r, (pr, n) in zip(real, ((40, 1), (50, 2))):
+        r.cuda_stats = {"peak_reserved": pr, "peak_allocated": pr - 5, "cuda_malloc_count": n,
+                        "cuda_free_count": 0, "alloc_retries": 0, "ooms": 0}
+    train = merge_windows(w, real, "run", 9.0)[1]
+    assert (train["peak_reserved"], train["peak_allocated"], train["cuda_malloc_count"]) == (50, 45, 3)
+
+
+FIXTURE_TEST = """
+import sys
+
+def test_my_trainer(rlhfmem_command, memory_budget):
+    result = rlhfmem_command([sys.executable, {script!r}], id="my-trainer/phased", device="cpu")
+    assert set(result.phases) == {{"run", "generate", "score", "train"}}
+    memory_budget.check(result)
+"""
+
+
+def test_fixture_update_then_pass_then_lowered_budget_fails_with_the_table(pytester):
+    pytester.makepyfile(test_own=FIXTURE_TEST.format(script=str(COMMANDS / "phased_train.py")))
+    r = pytester.runpytest_subprocess("--rlhfmem-update-baselines")
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*own.yaml: 0 updated, 1 new, 0 unchanged*"])
+    budget = pytester.path / "baselines" / "cpu" / "own.yaml"
+    data = yaml.safe_load(budget.read_text())
+    assert data["entries"]["my-trainer/phased"]["capture"] == "cpu-trace-simulated"
+    r = pytester.runpytest_subprocess()
+    r.assert_outcomes(passed=1)
+    r.stdout.fnmatch_lines(["*rlhfmem: memory per scenario*", "my-trainer/phased*simulated*ok*"])
+    data["entries"]["my-trainer/phased"]["metrics"]["peak_reserved"] = "1 MiB"
+    budget.write_text(yaml.safe_dump(data))
+    r = pytester.runpytest_subprocess()
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*my-trainer/phased is over its memory budget (simulated*",
+                            "*peak reserved reached in phase: *",
+                            "*metric*budget*measured*delta*tolerance*",
+                            "*peak_reserved*1.00 MiB*OVER BUDGET*"])
+
+
+def test_fixture_names_crash_hang_and_a_command_that_cannot_run(pytester):
+    pytester.makepyfile(test_fail=f"""
+import sys
+
+def test_crash(rlhfmem_command):
+    rlhfmem_command([sys.executable, {str(COMMANDS / 'crash.py')!r}], id="crashes", device="cpu")
+
+def test_hang(rlhfmem_command):
+    rlhfmem_command([sys.executable, {str(COMMANDS / 'hang.py')!r}], id="hangs", device="cpu", timeout=40)
+
+def test_not_found(rlhfmem_command):
+    rlhfmem_command(["no-such-trainer", "--fast"], id="missing")
+
+def test_exits_before_torch(rlhfmem_command):
+    rlhfmem_command([sys.executable, "-c", "raise SystemExit(5)"], id="early-exit")
+""")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    r.assert_outcomes(failed=4)
+    r.stdout.fnmatch_lines([
+        "*crashes: rank 0 failed in phase 'train': RuntimeError: boom in the training step*",
+        "*memory so far (simulated): peak reserved *MiB, peak allocated *MiB*",
+    ])
+    r.stdout.fnmatch_lines(["*hangs: rank 0 failed in phase 'wait': Hang: hung: no result after the 40 s timeout*"])
+    r.stdout.fnmatch_lines(["*rlhfmem_command('missing'): command not found: no-such-trainer*"])
+    r.stdout.fnmatch_lines(["*rlhfmem_command('early-exit'): * -c 'raise SystemExit(5)' exited with code 5 "
+                            "before its first allocation*"])
+    assert "During handling of the above exception" not in r.stdout.str()

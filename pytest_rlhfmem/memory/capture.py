@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
+from .host import HostMemory
 from .trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, Event, Trace, trace_from_snapshot,
 )
@@ -70,6 +71,7 @@ class Recorder:
     _ext: object = None
     backend: str = ""
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
+    host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -133,6 +135,8 @@ class Recorder:
         self.phases.append(rec)
         if self.on_phase is not None:
             self.on_phase(name)
+        if self.host is not None:
+            self.host.begin_phase(name)
         if self.device == "cuda":
             import torch
 
@@ -150,6 +154,8 @@ class Recorder:
                 torch.cuda.synchronize()
                 rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
             rec.wall_s = time.perf_counter() - t0
+            if self.host is not None:
+                self.host.end_phase(name)
 
     def flush(self, point: str) -> None:
         """The flush policy's ``torch.cuda.empty_cache()``: real on CUDA, a FLUSH event on CPU."""
@@ -160,6 +166,9 @@ class Recorder:
         self._mark(FLUSH, point)
 
     def host_resident(self, tensors: Iterable) -> None:
+        tensors = list(tensors)
+        if self.host is not None:
+            self.host.note_offloaded(tensors)
         st = _storages(tensors)
         self.host_bytes_annotated += sum(n for _, n in st)
         self._mark("host_resident", st)

@@ -26,15 +26,19 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def phase_table(result: dict) -> list[str]:
-    """Per phase: peak reserved, peak allocated, fragmentation, cudaMalloc, time (max over ranks)."""
-    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "time")]
+    """Per phase: the device figures (peak reserved, peak allocated, fragmentation, cudaMalloc), the host
+    figures (peak RSS, pinned; measured) and time, max over ranks."""
+    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "| host peak RSS",
+             "host pinned", "time")]
     for name, p in result["phases"].items():
         rows.append((name, format_size(p["peak_reserved"]), format_size(p["peak_allocated"]),
                      format_size(p["fragmentation_at_peak"]) if p["fragmentation_at_peak"] else "-",
-                     str(p["cuda_malloc_count"]), f"{p['wall_s']:.2f} s"))
+                     str(p["cuda_malloc_count"]), "| " + format_size(p.get("host_peak_rss")),
+                     format_size(p.get("host_pinned_peak")), f"{p['wall_s']:.2f} s"))
     m = result["metrics"]
     rows.append(("iteration", format_size(m["peak_reserved"]), format_size(m["peak_allocated"]),
                  format_size(m["fragmentation_at_peak"]), str(m["cuda_malloc_count"]),
+                 "| " + format_size(m.get("host_peak_rss")), format_size(m.get("host_pinned_peak")),
                  f"{result['iteration_wall_s'] or 0:.2f} s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
@@ -56,6 +60,8 @@ def _run(args: argparse.Namespace) -> int:
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
              if result["simulated"] else "measured: CUDA caching allocator")
     print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
+    host = result.get("host") or {}
+    print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; pinned: {host.get('pinned_method')}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=1))

@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ..memory.capture import Recorder
+    from ..memory.host import HostMemory, attach_host
     from ..memory.trace import write_snapshot
     from .scenario import Scenario
 
@@ -151,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         import colossalai.booster  # noqa: F401 - imported before the iteration's clock starts
         from .colossalchat import run_iteration  # type: ignore[no-redef]
     rec = Recorder("off" if args.no_capture else args.device, on_phase=on_phase)
+    rec.host = HostMemory(args.device)  # measured host figures, per phase (host.py)
     error = None
     info = None
     t0 = time.perf_counter()
+    rec.host.start()
     rec.start()
     try:
         info = run_iteration(scenario, rec, args.device, rank, world_size)
@@ -163,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                  "type": "OOM" if is_oom else type(exc).__name__, "message": str(exc)[:2000],
                  "traceback": traceback.format_exc()[-4000:]}
     wall = time.perf_counter() - t0
+    rec.host.stop()
     trace = rec.stop()
-    result = rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall)
+    result = attach_host(rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall),
+                         rec.host)
     if args.snapshot_dir and not args.no_capture:
         from ..memory.replay import ANCHORED, FREE_RUNNING, replay
         from ..memory.trace import CAPTURE_CUDA, Trace

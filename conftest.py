@@ -4,7 +4,10 @@
   matrix ``name`` in ``suites/matrices.yaml`` (ids = scenario ids, gpu marks applied): see
   :func:`pytest_rlhfmem.matrix.load_matrix`.
 - the ``benchmarked_iteration`` fixture: ``benchmarked_iteration(scenario, device)`` runs one iteration timed
-  by pytest-benchmark, memory figures in ``extra_info``.
+  by pytest-benchmark, memory figures in ``extra_info``; the result is kept for the session.
+- the ``iteration_result`` fixture: ``iteration_result(scenario, device="cpu")``, the session's result of that
+  scenario if a suite test already ran it, else a fresh run: tests that compare scenarios (the methods
+  suite's) reuse the budget tests' iterations instead of running them again.
 
 Only this file is named ``conftest.py`` above ``tests/`` and ``suites/`` (which run in one session): the
 helpers live in the package module ``pytest_rlhfmem.matrix``, never imported from a conftest by name.
@@ -30,7 +33,35 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("scenario", params)
 
 
+_RESULTS = pytest.StashKey[dict]()
+
+
+def _results(config: pytest.Config) -> dict:
+    if _RESULTS not in config.stash:
+        config.stash[_RESULTS] = {}
+    return config.stash[_RESULTS]
+
+
 @pytest.fixture
-def benchmarked_iteration(benchmark, ppo_iteration):
+def benchmarked_iteration(benchmark, ppo_iteration, request):
     """``benchmarked_iteration(scenario, device)`` -> :class:`~pytest_rlhfmem.results.IterationResult`."""
-    return lambda scenario, device: run_benchmarked(benchmark, ppo_iteration, scenario, device)
+    def run(scenario, device):
+        result = run_benchmarked(benchmark, ppo_iteration, scenario, device)
+        _results(request.config)[(scenario.id, device)] = result
+        return result
+
+    return run
+
+
+@pytest.fixture
+def iteration_result(ppo_iteration, request):
+    """``iteration_result(scenario, device="cpu")`` -> the session's result of ``scenario`` or a fresh run."""
+    def get(scenario, device="cpu"):
+        cache = _results(request.config)
+        if (scenario.id, device) not in cache:
+            cache[(scenario.id, device)] = ppo_iteration(
+                scenario.framework, scenario.models, scenario.strategy, scenario.flush, scenario.world_size,
+                device=device, algorithm=scenario.algorithm, **scenario.overrides)
+        return cache[(scenario.id, device)]
+
+    return get

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..units import format_size
-from .scenario import DEVICES, FLUSH_POLICIES, FRAMEWORKS
+from .scenario import ALGORITHMS, DEVICES, FLUSH_POLICIES, FRAMEWORKS
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,6 +16,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--models", default="tiny-opt", help="model pair (tiny-opt, tiny-gpt2, opt-1.3b, ...)")
     r.add_argument("--strategy", default="none", help="memory strategy (none, zero1, zero2, zero3, ...)")
     r.add_argument("--flush", default="none", help=f"one of: {', '.join(FLUSH_POLICIES)}")
+    r.add_argument("--algorithm", default="ppo", help=f"one of: {', '.join(ALGORITHMS)}")
+    r.add_argument("--group-size", type=int, default=None, help="GRPO: samples per prompt (>= 2)")
     r.add_argument("--world-size", type=int, default=2)
     r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
     r.add_argument("--batch-size", type=int, default=None)
@@ -50,8 +52,11 @@ def _run(args: argparse.Namespace) -> int:
     from .scenario import Scenario, ScenarioError
 
     overrides = {"batch_size": args.batch_size} if args.batch_size else {}
+    if args.group_size is not None:
+        overrides["group_size"] = args.group_size
     try:
-        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides)
+        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides,
+                            args.algorithm)
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
         result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)

@@ -15,4 +15,5 @@ def test_iteration_within_budget(scenario, benchmarked_iteration, memory_budget)
     assert result.simulated and result.capture == "cpu-trace-simulated"
     for rank in result["ranks"]:
         assert math.isfinite(rank["recipe"]["actor_loss"]) and math.isfinite(rank["recipe"]["critic_loss"])
+    assert result.metrics["host_peak_rss"] > 0  # host figures: measured in every scenario
     memory_budget.check(result)

@@ -1,12 +1,12 @@
 """Framework-free maths of the critic-free RLHF algorithms, shared by both recipes (next to ``ppo.py``).
 
 - ReMax (Li et al., "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning
-  Large Language Models", 2023, Sec. 4, Algorithm 1): REINFORCE whose baseline is the reward of the
+  Large Language Models", ICML 2024, arXiv 2310.10505, Algorithm 1): REINFORCE whose baseline is the reward of the
   greedy (argmax) response to the same prompt; no value model. As in the authors' DeepSpeed-Chat-based
   code (``remax_trainer.py``), the per-token reward keeps DeepSpeed-Chat's KL penalty, the baseline score
   is subtracted from the sampled response's score, and the return of each token is the sum of the rewards
   from it to the end (gamma 1).
-- GRPO (Shao et al., "DeepSeekMath", 2024, Sec. 4.1.1-4.1.2, eq. 3-4): G samples per prompt; the
+- GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300, 2024, Sec. 4.1): G samples per prompt; the
   advantage of every token of sample i is its group-normalised score ``(r_i - mean(r)) / std(r)``
   (outcome supervision); the loss is the clipped surrogate plus ``beta`` times the unbiased KL estimator
   ``pi_ref / pi - log(pi_ref / pi) - 1`` to the reference, averaged over each sample's tokens, then over
@@ -65,7 +65,7 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = GRPOHyp
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """DeepSeekMath eq. 4, per token: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    """DeepSeekMath's KL estimator (Sec. 4.1; Schulman's k3), per token: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
 

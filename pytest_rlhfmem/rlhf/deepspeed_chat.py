@@ -32,13 +32,13 @@ STRATEGY_SETTINGS: dict[str, tuple[int, bool, bool]] = {
     "zero3-offload": (3, True, False),
     "grad-ckpt": (0, False, True),
     "all": (3, True, True),
-    # Ren et al. 2021 (ZeRO-Offload, Sec. 4): ZeRO-2 with fp32 states, gradients and the Adam step on the
+    # Ren et al. 2021 (ZeRO-Offload, USENIX ATC): ZeRO-2 with fp32 states, gradients and the Adam step on the
     # host (DeepSpeedCPUAdam); DeepSpeed-Chat's --offload with --actor/critic_zero_stage 2.
     "zero2-offload": (2, True, False),
-    # Yu et al. 2023 (Efficient RLHF, Sec. 3, LoRA-PPO): actor and critic train only LoRA weights;
-    # DeepSpeed-Chat's --actor_lora_dim/--critic_lora_dim with --only_optimize_lora.
+    # Santacroce et al. 2023 ("Efficient RLHF: Reducing the Memory Usage of PPO", LoRA-PPO): actor and critic
+    # train only LoRA weights; DeepSpeed-Chat's --actor_lora_dim/--critic_lora_dim with --only_optimize_lora.
     "lora": (0, False, False),
-    # Yu et al. 2023 (Sec. 4, Hydra-PPO): one backbone, two adapters: deepspeed_chat_methods.py.
+    # Santacroce et al. 2023 (Hydra-PPO): one backbone, two adapters: deepspeed_chat_methods.py.
     "hydra": (0, False, False),
 }
 

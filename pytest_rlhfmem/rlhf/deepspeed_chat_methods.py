@@ -9,7 +9,8 @@ Engines, configs and ZeRO stage rules are ``deepspeed_chat.py``'s (DeepSpeed-Cha
   REINFORCE update (``train_actor``). The authors' code is DeepSpeed-Chat's step 3 with the critic removed.
 - GRPO (Shao et al. 2024, Sec. 4.1): actor, reference, reward; no critic. ``group_size`` samples per prompt
   (``batch_size * group_size`` sequences), group-normalised scores, clipped surrogate with a KL term.
-- Hydra-PPO (Yu et al., "Efficient RLHF: Reducing the Memory Usage of PPO", 2023, Sec. 4): one backbone
+- Hydra-PPO (Santacroce, Lu, Yu, Li, Shen, "Efficient RLHF: Reducing the Memory Usage of PPO", arXiv
+  2309.00754, 2023): one backbone
   with a causal-LM head and a reward head (the Hydra-SFT model); the actor and the critic are two LoRA
   adapter sets on it (peft's multi-adapter support: ``add_adapter`` / ``set_adapter``), and the reference
   and the reward are the same model with LoRA turned off (``disable_adapter``): one model's weights in

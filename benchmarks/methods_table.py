@@ -7,6 +7,7 @@ the iteration time, each relative to PPO ``none`` where that ran.
 """
 
 import json
+import re
 import sys
 
 MIB = 2**20
@@ -18,8 +19,8 @@ def init_states(r: dict) -> int:
 
 def main(path: str) -> int:
     results = {r["scenario_id"]: r for r in json.load(open(path))["results"] if r.get("status") == "ok"}
-    base = next((r for sid, r in results.items() if "/none/flush-" in sid and "ppo" not in sid
-                 and sid.count("/") == 4), None)
+    base = next((r for sid, r in results.items() if re.fullmatch(r"[a-z-]+/[a-z0-9.-]+/none/flush-none/x\d+", sid)),
+                None)  # PPO, no ZeRO: the reference of the relative figures
 
     def rel(v: float, b: float | None) -> str:
         return f" ({100.0 * (v - b) / b:+.0f}%)" if b else ""

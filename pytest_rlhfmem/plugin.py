@@ -356,8 +356,9 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
                   tmp_path_factory: pytest.TempPathFactory) -> Callable[..., IterationResult]:
     """Factory: ``ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none",
     flush="none", world_size=2, device=None, algorithm="ppo", **overrides)`` runs ONE RLHF iteration (PPO,
-    or ``remax`` / ``grpo``) in fresh worker processes (torchrun) and returns an :class:`IterationResult`. A crashed, hung or OOM run fails the
-    test with the rank, phase and memory so far. Unknown names fail with the list of valid ones."""
+    or ``remax`` / ``grpo``) in fresh worker processes (torchrun) and returns an :class:`IterationResult`.
+    A crashed, hung or OOM run fails the test with the rank, phase and memory so far. Unknown names fail
+    with the list of valid ones."""
     from .rlhf.launch import run_scenario
     from .rlhf.scenario import Scenario, ScenarioError
 

@@ -58,7 +58,8 @@ def test_grpo_loss_at_the_old_policy_is_minus_the_mean_advantage_plus_kl():
 # ---- scenario rules -----------------------------------------------------------------------------------
 
 def test_ppo_ids_are_unchanged_and_other_algorithms_add_a_segment():
-    assert Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2).id == "deepspeed-chat/tiny-opt/zero3/flush-none/x2"
+    ppo = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2)
+    assert ppo.id == "deepspeed-chat/tiny-opt/zero3/flush-none/x2"
     assert Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 2, {"group_size": 2}, "grpo").id == \
         "deepspeed-chat/tiny-opt/zero2/grpo/flush-none/x2/group_size=2"
     assert Scenario("colossalchat", "tiny-opt", "none", "none", 2, {}, "remax").id == \
@@ -66,7 +67,8 @@ def test_ppo_ids_are_unchanged_and_other_algorithms_add_a_segment():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"framework": "colossalchat", "algorithm": "dpo"}, "unknown algorithm for colossalchat 'dpo'; valid: ppo, remax, grpo"),
+    ({"framework": "colossalchat", "algorithm": "dpo"},
+     "unknown algorithm for colossalchat 'dpo'; valid: ppo, remax, grpo"),
     ({"algorithm": "grpo", "overrides": {"group_size": 1}}, "group_size >= 2"),
     ({"overrides": {"group_size": 4}}, "group_size applies to algorithm grpo only"),
     ({"strategy": "hydra", "algorithm": "grpo"}, "strategy 'hydra' is Hydra-PPO: algorithm must be ppo"),
@@ -92,7 +94,8 @@ def test_cli_refuses_a_group_size_below_2_in_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "run", "--algorithm", "grpo", "--group-size", "1"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     lines = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("rlhfmem: error:") and "group_size >= 2" in lines[0]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("rlhfmem: error:") and "group_size >= 2" in lines[0]
 
 
 def test_matrix_algorithm_axis_skips_hydra_for_critic_free_and_gives_group_size_to_grpo_only():

@@ -66,7 +66,8 @@ def _run(args: argparse.Namespace) -> int:
              if result["simulated"] else "measured: CUDA caching allocator")
     print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
     host = result.get("host") or {}
-    print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; pinned: {host.get('pinned_method')}")
+    print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
+          f"pinned: {host.get('pinned_method')}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=1))

@@ -65,7 +65,8 @@ def group_advantages(scores: torch.Tensor, group_size: int, eps: float = GRPOHyp
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """DeepSeekMath's KL estimator (Sec. 4.1; Schulman's k3), per token: ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    """DeepSeekMath's KL estimator (Sec. 4.1; Schulman's k3), per token (>= 0):
+    ``exp(ref - logp) - (ref - logp) - 1``."""
     d = ref_logprobs - logprobs
     return torch.exp(d) - d - 1
 

@@ -208,7 +208,8 @@ def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
         buf = getattr(opt, name, None)
         if isinstance(buf, torch.Tensor):
             out.append(buf)
-    out.extend(t for t in (getattr(opt, "accumulated_grads_in_cpu", None) or {}).values() if isinstance(t, torch.Tensor))
+    accumulated = getattr(opt, "accumulated_grads_in_cpu", None) or {}  # stage 1-2 offload
+    out.extend(t for t in accumulated.values() if isinstance(t, torch.Tensor))
     inner = getattr(opt, "optimizer", None)
     for state in getattr(inner, "state", {}).values():
         out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)

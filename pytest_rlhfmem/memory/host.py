@@ -20,6 +20,7 @@ Figures, all in bytes, per rank:
   nothing is page-locked (DeepSpeed's CPU accelerator's ``pin_memory`` returns the tensor as is), so the
   figure is the live bytes of the buffers the recipe declared host-resident (``Recorder.host_resident``:
   the offload buffers DeepSpeed pins on CUDA), read at each phase's start and end and at each declaration.
+  PyTorch before 2.6 has no host-allocator statistics; there the CPU rule is used on CUDA too.
   :attr:`HostMemory.pinned_method` says which.
 - ``host_rss_outside_device`` (CPU path only, not budgeted): on a CPU the simulated device's tensors live
   in the same RSS, so offloading cannot raise it the way it raises a GPU machine's host memory. This
@@ -61,6 +62,12 @@ def current_rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def _has_host_allocator_stats() -> bool:
+    import torch
+
+    return hasattr(torch.cuda, "host_memory_stats") and hasattr(torch.cuda, "reset_peak_host_memory_stats")
 
 
 def _reset_hwm() -> bool:
@@ -114,10 +121,12 @@ class HostMemory:
     _offloaded: dict[int, tuple[int, weakref.ref]] = field(default_factory=dict)  # storage ptr -> (bytes, ref)
     _phase: str | None = None
     _phase_pinned: int = 0
+    _cuda_stats: bool = False  # torch.cuda.host_memory_stats available and used
 
     def start(self) -> None:
         """Begin measuring (before the first model is built)."""
-        self.pinned_method = PINNED_CUDA if self.device == "cuda" else PINNED_CPU
+        self._cuda_stats = self.device == "cuda" and _has_host_allocator_stats()
+        self.pinned_method = PINNED_CUDA if self._cuda_stats else PINNED_CPU
         if _status_kib("VmHWM") is not None and _reset_hwm():
             self.rss_method = RSS_HWM
         else:
@@ -140,7 +149,7 @@ class HostMemory:
         self._reset_rss_peak()
         self._reset_pinned_peak()
         self._phase = name
-        self._phase_pinned = self._offloaded_live() if self.device != "cuda" else 0
+        self._phase_pinned = 0 if self._cuda_stats else self._offloaded_live()
 
     def end_phase(self, name: str) -> None:
         rss, pinned = self._read_rss_peak(), self._read_pinned_peak()
@@ -157,7 +166,7 @@ class HostMemory:
             s = t.untyped_storage()
             if s.data_ptr() and s.nbytes():
                 self._offloaded[s.data_ptr()] = (s.nbytes(), weakref.ref(t))
-        if self.device != "cuda":
+        if not self._cuda_stats:
             self._phase_pinned = max(self._phase_pinned, self._offloaded_live())
 
     # -- readings ---------------------------------------------------------------------------------
@@ -179,7 +188,7 @@ class HostMemory:
         return sum(n for n, _ref in self._offloaded.values())
 
     def _read_pinned_peak(self) -> int:
-        if self.device == "cuda":
+        if self._cuda_stats:
             import torch
 
             return int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0))
@@ -187,7 +196,7 @@ class HostMemory:
         return self._phase_pinned
 
     def _reset_pinned_peak(self) -> None:
-        if self.device == "cuda":
+        if self._cuda_stats:
             import torch
 
             torch.cuda.reset_peak_host_memory_stats()

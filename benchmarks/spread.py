@@ -1,6 +1,8 @@
 """Run-to-run spread of the simulated figures: each CPU-matrix scenario N times, min/max per metric.
 
     python benchmarks/spread.py --runs 3 --json out/spread.json
+    python benchmarks/spread.py --strategies zero2-offload,lora,hydra --flush none   # host figures too
+    python benchmarks/spread.py --strategies none --algorithm grpo --group-size 2 --flush none
     python benchmarks/spread.py --framework colossalchat --strategies none,grad-ckpt \
         --flush none,after-inference,after-training,after-both     # in the colossalai tox environment
 
@@ -16,7 +18,8 @@ from pathlib import Path
 from pytest_rlhfmem.rlhf.launch import run_scenario
 from pytest_rlhfmem.rlhf.scenario import Scenario
 
-METRICS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "cuda_malloc_count", "alloc_retries")
+METRICS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "cuda_malloc_count", "alloc_retries",
+           "host_peak_rss", "host_pinned_peak")
 
 
 def main() -> int:
@@ -26,11 +29,14 @@ def main() -> int:
     ap.add_argument("--models", default="tiny-opt")
     ap.add_argument("--strategies", default="none,zero1,zero2,zero3,zero3-offload,grad-ckpt,all")
     ap.add_argument("--flush", default="none,after-inference")
+    ap.add_argument("--algorithm", default="ppo")
+    ap.add_argument("--group-size", type=int, default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     out = {}
     for strategy, flush in product(a.strategies.split(","), a.flush.split(",")):
-        s = Scenario(a.framework, a.models, strategy, flush, 2)
+        s = Scenario(a.framework, a.models, strategy, flush, 2, {"group_size": a.group_size} if a.group_size else {},
+                     a.algorithm)
         runs = [run_scenario(s, device="cpu") for _ in range(a.runs)]
         bad = [r for r in runs if r["status"] != "ok"]
         if bad:

@@ -38,15 +38,19 @@ def deepspeed_offloaded_tensors(engine, offload: bool | None = None) -> list:  #
     opt = getattr(engine, "optimizer", None)
     if opt_off:
         for name in ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat",
-                     "param_groups_fp16_flat_cpu_memory", "single_partition_of_fp32_groups"):
+                     "param_groups_fp16_flat_cpu_memory", "single_partition_of_fp32_groups",
+                     "param_buffer_of_bit16_for_cpu_offload_groups"):  # stage 3, then stages 1-2
             for t in getattr(opt, name, None) or []:
                 if isinstance(t, torch.Tensor):
                     out.append(t)
                     if t.grad is not None:
                         out.append(t.grad)
-        buf = getattr(opt, "grad_partitions_flat_buffer", None)
-        if isinstance(buf, torch.Tensor):
-            out.append(buf)
+        for name in ("grad_partitions_flat_buffer", "temp_grad_buffer_for_cpu_offload"):
+            buf = getattr(opt, name, None)
+            if isinstance(buf, torch.Tensor):
+                out.append(buf)
+        accumulated = getattr(opt, "accumulated_grads_in_cpu", None) or {}  # stage 1-2 offload
+        out.extend(t for t in accumulated.values() if isinstance(t, torch.Tensor))
         inner = getattr(opt, "optimizer", None)
         for state in getattr(inner, "state", {}).values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)

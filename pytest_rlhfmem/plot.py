@@ -51,6 +51,23 @@ def _peak_rank(result: dict) -> dict:
     return max(ranks, key=lambda rk: rk["total"]["peak_reserved"])
 
 
+def _plot_host_rss(ax, rank: dict, starts: list, end: int) -> None:
+    """The rank's host peak RSS per phase (measured, never simulated) as steps on a right-hand axis."""
+    per = {p["phase"]: p.get("host_peak_rss") for p in rank.get("phases", [])}
+    if not starts or not any(per.values()):
+        return
+    ax2 = ax.twinx()
+    for n, (phase, start) in enumerate(starts):
+        stop = starts[n + 1][1] if n + 1 < len(starts) else end
+        v = per.get(phase)
+        if v:
+            ax2.hlines(v / GIB, start, stop, colors="#7d3c98", lw=1.4, linestyles=":",
+                       label="host peak RSS per phase (measured)" if n == 0 else None)
+    ax2.set_ylabel("host peak RSS, GiB (measured)", color="#7d3c98")
+    ax2.set_ylim(bottom=0, top=max(v for v in per.values() if v) / GIB * 1.15)
+    ax2.legend(loc="upper right", fontsize=8, frameon=False)
+
+
 def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
     """Draw Figure 1 for up to two ``(label, result)`` pairs into ``out`` (PNG). Returns the path."""
     import matplotlib
@@ -92,6 +109,7 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
         stop = starts[n + 1][1] if n + 1 < len(starts) else end
         ax.axvspan(start, stop, color=PHASE_COLOURS[n % 2], zorder=0)
         ax.text((start + stop) / 2, ymax * 0.98, phase, ha="center", va="top", fontsize=8, rotation=90)
+    _plot_host_rss(ax, _peak_rank(results[0][1]), starts, end)
     r0 = results[0][1]
     sim = " (simulated: CPU trace through the allocator model)" if r0.get("simulated") else " (CUDA)"
     ax.set_title(f"{r0['scenario_id']}{sim}" if len(results) == 1 else

@@ -289,6 +289,9 @@ class RlhfmemSession:
         if any(r.get("simulated") for r in self.results):
             tr.write_line("simulated = CPU allocation trace replayed through the CUDA caching allocator model; "
                           "not a GPU measurement")
+        if self.results:
+            tr.write_line("host peak RSS / host pinned: measured in each rank's process (max over ranks), never "
+                          "simulated; on CPU 'pinned' = offload buffers held in host memory (nothing is page-locked)")
         from .report import flush_tradeoffs
 
         trade = flush_tradeoffs(self.results)
@@ -317,7 +320,8 @@ def _gpu_mark_args(mark: pytest.Mark) -> tuple[int, float | None]:
 
 def summary_table(results: list[dict]) -> list[str]:
     """scenario | capture | peak reserved | peak allocated | fragmentation | vs budget."""
-    rows = [("scenario", "capture", "peak reserved", "peak allocated", "fragmentation", "peak phase", "vs budget")]
+    rows = [("scenario", "capture", "peak reserved", "peak allocated", "fragmentation", "peak phase",
+             "host peak RSS", "host pinned", "vs budget")]
     for r in results:
         m = r.get("metrics") or {}
         b = r.get("budget") or {}
@@ -333,7 +337,8 @@ def summary_table(results: list[dict]) -> list[str]:
             vs = b["status"]
         rows.append((r["scenario_id"], "simulated" if r.get("simulated") else "cuda",
                      format_size(m.get("peak_reserved")), format_size(m.get("peak_allocated")),
-                     format_size(m.get("fragmentation_at_peak")), str(r.get("peak_phase") or "-"), vs))
+                     format_size(m.get("fragmentation_at_peak")), str(r.get("peak_phase") or "-"),
+                     format_size(m.get("host_peak_rss")), format_size(m.get("host_pinned_peak")), vs))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
@@ -353,16 +358,18 @@ def rlhfmem_session(request: pytest.FixtureRequest) -> RlhfmemSession:
 def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSession,
                   tmp_path_factory: pytest.TempPathFactory) -> Callable[..., IterationResult]:
     """Factory: ``ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none",
-    flush="none", world_size=2, device=None, **overrides)`` runs ONE PPO iteration in fresh worker
-    processes (torchrun) and returns an :class:`IterationResult`. A crashed, hung or OOM run fails the
-    test with the rank, phase and memory so far. Unknown names fail with the list of valid ones."""
+    flush="none", world_size=2, device=None, algorithm="ppo", **overrides)`` runs ONE RLHF iteration (PPO,
+    or ``remax`` / ``grpo``) in fresh worker processes (torchrun) and returns an :class:`IterationResult`.
+    A crashed, hung or OOM run fails the test with the rank, phase and memory so far. Unknown names fail
+    with the list of valid ones."""
     from .rlhf.launch import run_scenario
     from .rlhf.scenario import Scenario, ScenarioError
 
     def run(framework: str = "deepspeed-chat", models: str = "tiny-opt", strategy: str = "none",
-            flush: str = "none", world_size: int = 2, device: str | None = None, **overrides: Any) -> IterationResult:
+            flush: str = "none", world_size: int = 2, device: str | None = None, algorithm: str = "ppo",
+            **overrides: Any) -> IterationResult:
         try:
-            scenario = Scenario(framework, models, strategy, flush, world_size, overrides)
+            scenario = Scenario(framework, models, strategy, flush, world_size, overrides, algorithm)
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
         work = tmp_path_factory.mktemp("rlhfmem-run")
@@ -467,7 +474,7 @@ class MemoryBudget:
             pytest.fail(reason, pytrace=False)
         rows = B.compare(bf, entry, result.metrics)
         over = [r for r in rows if r.status == "over"]
-        pcts = [r.delta_pct for r in rows if r.delta_pct is not None and r.metric in B.SIZE_BUDGETS]
+        pcts = [r.delta_pct for r in rows if r.delta_pct is not None and r.metric in B.DEVICE_SIZE_BUDGETS]
         worst = max(pcts, key=abs) if pcts else None
         if over:
             worst = max(r.delta_pct or 0.0 for r in over)

@@ -19,7 +19,9 @@ from typing import Any
 from .budgets import BUDGET_METRICS, DEFAULT_TOLERANCES, SIZE_BUDGETS, BudgetError, load_budget_file
 from .units import format_size
 
-STATUS_ORDER = {"regressed": 0, "failed": 1, "new": 2, "missing": 3, "improved": 4, "unchanged": 5}
+# "unmeasured": the scenario is on both sides but one side lacks this metric (e.g. budgets written before
+# host memory was measured): it does not decide the scenario's verdict.
+STATUS_ORDER = {"regressed": 0, "failed": 1, "new": 2, "missing": 3, "improved": 4, "unchanged": 5, "unmeasured": 6}
 
 
 class ReportInputError(ValueError):
@@ -135,7 +137,7 @@ class Diff:
                 worst[r.scenario] = r.status
         out = {k: 0 for k in ("regressed", "improved", "unchanged", "new", "missing", "failed")}
         for s in worst.values():
-            out[s] += 1
+            out["unchanged" if s == "unmeasured" else s] += 1
         return out
 
     @property
@@ -182,7 +184,7 @@ def diff(base: Side, head: Side, threshold: float = 0.05) -> Diff:
             elif h is None:
                 status = "missing"
             elif bv is None or hv is None:
-                status = "new" if bv is None else "missing"
+                status = "unmeasured"
             else:
                 bv, hv = int(bv), int(hv)
                 limit = max(abs(bv) * threshold, DEFAULT_TOLERANCES[m].abs)
@@ -198,7 +200,7 @@ def diff(base: Side, head: Side, threshold: float = 0.05) -> Diff:
 
 
 _MARK = {"regressed": "🔴 regressed", "improved": "🟢 improved", "unchanged": "unchanged", "new": "🆕 new",
-         "missing": "missing", "failed": "❌ failed"}
+         "missing": "missing", "failed": "❌ failed", "unmeasured": "not measured on one side"}
 
 
 def _md_table(rows: list[DiffRow]) -> list[str]:
@@ -229,8 +231,9 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     if any(s["env"].get("capture") == "cpu-trace-simulated" for side in (d.base, d.head)
            for s in side.scenarios.values()):
         lines += ["", "_cpu-trace-simulated figures are simulated: a CPU allocation trace replayed through the "
-                  "CUDA caching allocator model._"]
-    changed = [r for r in d.rows if r.status != "unchanged"]
+                  "CUDA caching allocator model. host_peak_rss and host_pinned_peak are measured (each rank's "
+                  "process), never simulated._"]
+    changed = [r for r in d.rows if r.status not in ("unchanged", "unmeasured")]
     lines += ["", "## Changes", ""]
     lines += _md_table(changed) if changed else ["No metric moved beyond the threshold."]
     lines += ["", "<details><summary>All metrics</summary>", ""] + _md_table(d.rows) + ["", "</details>", ""]

@@ -5,14 +5,14 @@ baselines/cpu/colossalchat_cpu.yaml. The ZeRO strategies are gpu tests: Colossal
 import math
 
 import pytest
-from matrix import load_matrix, run_benchmarked
 
 
-@pytest.mark.parametrize("scenario", load_matrix("colossalchat_cpu"))
-def test_iteration_within_budget(scenario, ppo_iteration, memory_budget, benchmark, request):
+@pytest.mark.matrix("colossalchat_cpu")
+def test_iteration_within_budget(scenario, benchmarked_iteration, memory_budget, request):
     device = "cuda" if request.node.get_closest_marker("gpu") else "cpu"
-    result = run_benchmarked(benchmark, ppo_iteration, scenario, device=device)
+    result = benchmarked_iteration(scenario, device)
     assert result.simulated == (device == "cpu")
     for rank in result["ranks"]:
         assert math.isfinite(rank["recipe"]["actor_loss"]) and math.isfinite(rank["recipe"]["critic_loss"])
+    assert result.metrics["host_peak_rss"] > 0  # host figures: measured in every scenario
     memory_budget.check(result)

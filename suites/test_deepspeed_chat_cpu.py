@@ -7,13 +7,13 @@ checked against baselines/cpu/deepspeed_chat_cpu.yaml.
 import math
 
 import pytest
-from matrix import load_matrix, run_benchmarked
 
 
-@pytest.mark.parametrize("scenario", load_matrix("deepspeed_chat_cpu"))
-def test_iteration_within_budget(scenario, ppo_iteration, memory_budget, benchmark):
-    result = run_benchmarked(benchmark, ppo_iteration, scenario, device="cpu")
+@pytest.mark.matrix("deepspeed_chat_cpu")
+def test_iteration_within_budget(scenario, benchmarked_iteration, memory_budget):
+    result = benchmarked_iteration(scenario, "cpu")
     assert result.simulated and result.capture == "cpu-trace-simulated"
     for rank in result["ranks"]:
         assert math.isfinite(rank["recipe"]["actor_loss"]) and math.isfinite(rank["recipe"]["critic_loss"])
+    assert result.metrics["host_peak_rss"] > 0  # host figures: measured in every scenario
     memory_budget.check(result)

@@ -3,11 +3,10 @@ strategies, flush none and after-inference, 4 ranks on 4 x 24 GB GPUs. Real CUDA
 baselines/cuda-<gpu>-x4/deepspeed_chat_study.yaml."""
 
 import pytest
-from matrix import load_matrix, run_benchmarked
 
 
-@pytest.mark.parametrize("scenario", load_matrix("deepspeed_chat_study"))
-def test_iteration_within_budget(scenario, ppo_iteration, memory_budget, benchmark):
-    result = run_benchmarked(benchmark, ppo_iteration, scenario, device="cuda")
+@pytest.mark.matrix("deepspeed_chat_study")
+def test_iteration_within_budget(scenario, benchmarked_iteration, memory_budget):
+    result = benchmarked_iteration(scenario, "cuda")
     assert not result.simulated and result.capture == "cuda-memory-history"
     memory_budget.check(result)

@@ -65,10 +65,13 @@ class RankCapture:
         from .. import api
         from ..memory.capture import Recorder
         from ..memory.emulation import parse_switch
+        from ..memory.host import HostMemory
 
         self.rec = Recorder(self.device if self.capture else "off", on_phase=self.progress, root=self.root,
                             cuda_emulation=parse_switch(self.cuda_emulation))
+        self.rec.host = HostMemory(self.device)  # measured host figures, per phase (memory/host.py)
         self._t0 = time.perf_counter()
+        self.rec.host.start()
         self.rec.start()
         self.rec.intercept_empty_cache()
         api._activate(self.rec)
@@ -85,11 +88,13 @@ class RankCapture:
         """Stop, replay (CPU: through the allocator model; CUDA: the real trace), write the rank's result
         (and its memory_viz snapshot with ``snapshot_dir``); returns the result dict."""
         from .. import api
+        from ..memory.host import attach_host
         from ..rlhf.worker import rank_result
 
         wall = time.perf_counter() - self._t0
         api._activate(None)
         rec = self.rec
+        rec.host.stop()
         trace = rec.stop()
         if self.threads is None:
             import torch
@@ -98,6 +103,7 @@ class RankCapture:
         result = rank_result(self.identity, self.rank, self.world_size, self.device, rec, trace, info, error,
                              self.threads, wall)
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
+        attach_host(result, rec.host)
         if self.snapshot_dir and self.capture:
             result["snapshot"] = str(_write_snapshot(trace, self.snapshot_dir, self.identity.id, self.rank))
         _write_json(self.out_dir / f"result-rank{self.rank}.json", result)

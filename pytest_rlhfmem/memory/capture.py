@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
 from . import emulation
+from .host import HostMemory
 from .trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, POOL_ENTER, POOL_EXIT, Event, Trace,
     trace_from_snapshot,
@@ -88,6 +89,7 @@ class Recorder:
     _stack: list[PhaseRecord] = field(default_factory=list)  # open phases, innermost last
     _empty_cache: Callable[[], None] | None = None  # the original torch.cuda.empty_cache while intercepted
     error_phase: str | None = None  # the innermost phase an exception propagated out of
+    host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -173,6 +175,8 @@ class Recorder:
         self._stack.append(rec)
         if self.on_phase is not None:
             self.on_phase(name)
+        if self.host is not None:
+            self.host.begin_phase(name)
         cuda_stats = self.device == "cuda" and not nested
         if cuda_stats:
             import torch
@@ -195,6 +199,8 @@ class Recorder:
                 torch.cuda.synchronize()
                 rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
             rec.wall_s += time.perf_counter() - t0
+            if self.host is not None:
+                self.host.end_phase(name)
             self._stack.pop()
             resume = self._stack[-1].name if self._stack else self.root
             if resume is not None:  # the enclosing phase (or the root window) resumes
@@ -252,6 +258,9 @@ class Recorder:
             self._empty_cache = None
 
     def host_resident(self, tensors: Iterable) -> None:
+        tensors = list(tensors)
+        if self.host is not None:
+            self.host.note_offloaded(tensors)
         st = _storages(tensors)
         self.host_bytes_annotated += sum(n for _, n in st)
         self._mark("host_resident", st)

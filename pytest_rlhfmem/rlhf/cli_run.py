@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..units import format_size
-from .scenario import DEVICES, FLUSH_POLICIES, FRAMEWORKS
+from .scenario import ALGORITHMS, DEVICES, FLUSH_POLICIES, FRAMEWORKS
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,6 +16,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--models", default="tiny-opt", help="model pair (tiny-opt, tiny-gpt2, opt-1.3b, ...)")
     r.add_argument("--strategy", default="none", help="memory strategy (none, zero1, zero2, zero3, ...)")
     r.add_argument("--flush", default="none", help=f"one of: {', '.join(FLUSH_POLICIES)}")
+    r.add_argument("--algorithm", default="ppo", help=f"one of: {', '.join(ALGORITHMS)}")
+    r.add_argument("--group-size", type=int, default=None, help="GRPO: samples per prompt (>= 2)")
     r.add_argument("--world-size", type=int, default=2)
     r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
     r.add_argument("--batch-size", type=int, default=None)
@@ -28,15 +30,19 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def phase_table(result: dict) -> list[str]:
-    """Per phase: peak reserved, peak allocated, fragmentation, cudaMalloc, time (max over ranks)."""
-    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "time")]
+    """Per phase: the device figures (peak reserved, peak allocated, fragmentation, cudaMalloc), the host
+    figures (peak RSS, pinned; measured) and time, max over ranks."""
+    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "| host peak RSS",
+             "host pinned", "time")]
     for name, p in result["phases"].items():
         rows.append((name, format_size(p["peak_reserved"]), format_size(p["peak_allocated"]),
                      format_size(p["fragmentation_at_peak"]) if p["fragmentation_at_peak"] else "-",
-                     str(p["cuda_malloc_count"]), f"{p['wall_s']:.2f} s"))
+                     str(p["cuda_malloc_count"]), "| " + format_size(p.get("host_peak_rss")),
+                     format_size(p.get("host_pinned_peak")), f"{p['wall_s']:.2f} s"))
     m = result["metrics"]
     rows.append(("iteration", format_size(m["peak_reserved"]), format_size(m["peak_allocated"]),
                  format_size(m["fragmentation_at_peak"]), str(m["cuda_malloc_count"]),
+                 "| " + format_size(m.get("host_peak_rss")), format_size(m.get("host_pinned_peak")),
                  f"{result['iteration_wall_s'] or 0:.2f} s"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
@@ -48,8 +54,11 @@ def _run(args: argparse.Namespace) -> int:
     from .scenario import Scenario, ScenarioError
 
     overrides = {"batch_size": args.batch_size} if args.batch_size else {}
+    if args.group_size is not None:
+        overrides["group_size"] = args.group_size
     try:
-        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides)
+        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides,
+                            args.algorithm)
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
         result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir,
@@ -59,6 +68,9 @@ def _run(args: argparse.Namespace) -> int:
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
              if result["simulated"] else "measured: CUDA caching allocator")
     print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
+    host = result.get("host") or {}
+    print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
+          f"pinned: {host.get('pinned_method')}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=1))

@@ -109,6 +109,10 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     if device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise RuntimeError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (LowLevelZero and Gemini "
                            f"assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")
+    if scenario.algorithm != "ppo":  # ReMax, GRPO: colossalchat_methods.py
+        from .colossalchat_methods import run_critic_free_iteration
+
+        return run_critic_free_iteration(scenario, rec, device, rank, world_size)
     pair = get_pair(scenario.models)
     kind, grad_ckpt = STRATEGY_PLUGINS[scenario.strategy]
     gemini = kind.startswith("gemini")
@@ -214,6 +218,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         hooks.at("train_critic")
     maybe_flush(scenario, rec, "train_critic")
     return {
+        "algorithm": "ppo", "critic_built": True,
         "actor_loss": float(actor_loss.detach().float()),
         "critic_loss": float(critic_loss.detach().float()),
         "dtype": str(dtype).replace("torch.", ""), "plugin": kind, "gradient_checkpointing": grad_ckpt,

@@ -33,6 +33,14 @@ STRATEGY_SETTINGS: dict[str, tuple[int, bool, bool]] = {
     "zero3-offload": (3, True, False),
     "grad-ckpt": (0, False, True),
     "all": (3, True, True),
+    # Ren et al. 2021 (ZeRO-Offload, USENIX ATC): ZeRO-2 with fp32 states, gradients and the Adam step on the
+    # host (DeepSpeedCPUAdam); DeepSpeed-Chat's --offload with --actor/critic_zero_stage 2.
+    "zero2-offload": (2, True, False),
+    # Santacroce et al. 2023 ("Efficient RLHF: Reducing the Memory Usage of PPO", LoRA-PPO): actor and critic
+    # train only LoRA weights; DeepSpeed-Chat's --actor_lora_dim/--critic_lora_dim with --only_optimize_lora.
+    "lora": (0, False, False),
+    # Santacroce et al. 2023 (Hydra-PPO): one backbone, two adapters: deepspeed_chat_methods.py.
+    "hydra": (0, False, False),
 }
 
 
@@ -158,6 +166,30 @@ def make_optimizer(model: torch.nn.Module, offload: bool, device: str):
     return torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), foreach=False)
 
 
+def lora_critic(critic: RewardModel, pair, dim: int) -> None:
+    """``--critic_lora_dim`` with ``--only_optimize_lora``: LoRA on the critic's backbone (``rwtransformer``),
+    every other backbone weight frozen; the value head stays trainable (DeepSpeed-Chat's
+    ``only_optimize_lora_parameters`` keeps ``v_head``)."""
+    critic.rwtransformer = convert_to_lora(critic.rwtransformer, pair, dim, only_optimize_lora=True)
+
+
+def optimizer_state_summary(engine) -> dict:
+    """What the engine's optimizer holds state for: ``state_bytes`` (bytes of its state tensors, e.g. Adam's
+    two moments), ``trainable_elements`` / ``frozen_elements`` of the module, and ``frozen_with_state``:
+    how many frozen parameters have optimizer state (0 under LoRA-only training)."""
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", opt)
+    state = getattr(inner, "state", {}) or {}
+    frozen = {id(p) for p in engine.module.parameters() if not p.requires_grad}
+    return {
+        "state_bytes": sum(v.numel() * v.element_size() for st in state.values() for v in st.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0),
+        "trainable_elements": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+        "frozen_elements": sum(p.numel() for p in engine.module.parameters() if not p.requires_grad),
+        "frozen_with_state": sum(1 for p in state if id(p) in frozen),
+    }
+
+
 def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
     """Tensors DeepSpeed keeps in host memory under ZeRO-3 CPU offload: fp32 partitions and their grads,
     optimizer states, the flat gradient buffer, parameter partitions (``ds_tensor``). The shared rule of
@@ -170,9 +202,14 @@ def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------------------------------
 
 def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
-    """Build the four engines and run one PPO iteration under ``rec``; returns losses and settings."""
+    """Build the four engines and run one PPO iteration under ``rec``; returns losses and settings.
+    ReMax, GRPO and Hydra-PPO run in :mod:`.deepspeed_chat_methods`."""
     import deepspeed
 
+    if scenario.algorithm != "ppo" or scenario.strategy == "hydra":
+        from .deepspeed_chat_methods import run_method_iteration
+
+        return run_method_iteration(scenario, rec, device, rank, world_size)
     pair = get_pair(scenario.models)
     stage, offload, grad_ckpt = STRATEGY_SETTINGS[scenario.strategy]
     dtype = resolve_dtype(scenario, device)
@@ -180,7 +217,8 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     prompt_len = scenario.get("prompt_len", pair.prompt_len)
     answer_len = scenario.get("answer_len", pair.answer_len)
     lora_dim = scenario.get("lora_dim", pair.lora_dim)
-    only_lora = scenario.get("only_optimize_lora", False)
+    lora_only = scenario.strategy == "lora"  # LoRA-PPO: LoRA on actor and critic, nothing else trains
+    only_lora = scenario.get("only_optimize_lora", False) or lora_only
     buckets = pair.bucket_elements
     ref_stage = 3 if stage == 3 else 0  # rlhf_engine.py: reference follows the actor's stage 3
     reward_stage = 3 if stage == 3 else 0  # reward follows the critic's stage 3
@@ -203,6 +241,8 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         rec.host_resident(offloaded_tensors(ref_engine, offload and ref_stage == 3))
         # critic (_init_critic): gradient checkpointing from the start
         critic = create_critic_model(pair.critic, train_cfg, scenario.get("critic_path"), dtype)
+        if lora_only:
+            lora_critic(critic, pair, lora_dim)
         if grad_ckpt:
             critic.gradient_checkpointing_enable()
         critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=make_optimizer(critic, offload, device),
@@ -282,7 +322,9 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     maybe_flush(scenario, rec, "train_critic")
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()
+    states = {"actor": optimizer_state_summary(actor_engine), "critic": optimizer_state_summary(critic_engine)}
     return {
+        "algorithm": "ppo", "optimizer_states": states,
         "actor_loss": float(actor_loss.detach().float()),
         "critic_loss": float(critic_loss.detach().float()),
         "dtype": str(dtype).replace("torch.", ""),

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..memory.host import HOST_METRIC_NAMES
 from ..memory.metrics import METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
@@ -186,12 +187,16 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
     failures.sort(key=lambda f: (f.get("time") is None, f.get("time") or 0.0, f["rank"]))
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
-    metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in METRIC_NAMES} if ranks else {}
+    # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)
+    names = METRIC_NAMES + HOST_METRIC_NAMES + ("host_rss_outside_device",)
+    metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in names} if ranks else {}
+    if not any("host_rss_outside_device" in r["total"] for r in ranks):
+        metrics.pop("host_rss_outside_device", None)
     phase_names = [p["phase"] for p in first.get("phases", [])]
     phases = {}
     for name in phase_names:
         per = [p for r in ranks for p in r["phases"] if p["phase"] == name]
-        phases[name] = {m: max((p.get(m) or 0) for p in per) for m in METRIC_NAMES + ("wall_s",)}
+        phases[name] = {m: max((p.get(m) or 0) for p in per) for m in names + ("wall_s",)}
     peak_rank = max(ranks, key=lambda r: r["total"]["peak_reserved"]) if ranks else {}
     log_tail = ""
     if not ok and log_path.exists():
@@ -208,6 +213,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "capture": first.get("capture"),
         "capture_description": first.get("capture_description", {}),
         "simulated": first.get("simulated", device == "cpu"),
+        "host": {k: first.get("host", {}).get(k) for k in ("rss_method", "pinned_method", "measured")},
         "world_size": scenario.world_size,
         "versions": first.get("versions", {}),
         "threads": first.get("threads"),

@@ -1,7 +1,8 @@
-"""A scenario = framework x model pair x memory strategy x flush policy x world size (+ overrides).
+"""A scenario = framework x model pair x memory strategy x algorithm x flush policy x world size (+ overrides).
 
 Its ``id`` is stable across runs and machines and keys every baseline entry, e.g.
-``deepspeed-chat/tiny-opt/zero3/flush-after-inference/x2``.
+``deepspeed-chat/tiny-opt/zero3/flush-after-inference/x2``. PPO scenarios keep exactly that form; another
+algorithm adds a segment after the strategy: ``deepspeed-chat/tiny-opt/zero2/grpo/flush-none/x2``.
 """
 
 from __future__ import annotations
@@ -10,19 +11,31 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 FRAMEWORKS = ("deepspeed-chat", "colossalchat")
-STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all")
+STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all",
+              "zero2-offload", "lora", "hydra")
 COLOSSAL_STRATEGIES = ("none", "zero2", "zero2-offload", "zero3", "zero3-offload", "grad-ckpt", "all")
 FRAMEWORK_STRATEGIES = {"deepspeed-chat": STRATEGIES, "colossalchat": COLOSSAL_STRATEGIES}
 FLUSH_POLICIES = ("none", "after-inference", "after-training", "after-both")
 DEVICES = ("auto", "cpu", "cuda")
 INFERENCE_PHASES = ("generate", "infer_actor", "infer_reference", "infer_reward", "infer_critic")
 TRAINING_PHASES = ("train_actor", "train_critic")
-PHASES = ("init",) + INFERENCE_PHASES + TRAINING_PHASES
+PHASES = ("init",) + INFERENCE_PHASES + TRAINING_PHASES  # PPO's
+# Algorithms (sources in critic_free.py): ReMax adds a greedy generation and builds no critic; GRPO
+# generates group_size samples per prompt and builds no critic.
+ALGORITHMS = ("ppo", "remax", "grpo")
+FRAMEWORK_ALGORITHMS = {"deepspeed-chat": ALGORITHMS, "colossalchat": ALGORITHMS}
+ALGORITHM_PHASES = {
+    "ppo": PHASES,
+    "remax": ("init", "generate", "generate_greedy", "infer_actor", "infer_reference", "infer_reward", "train_actor"),
+    "grpo": ("init", "generate", "infer_actor", "infer_reference", "infer_reward", "train_actor"),
+}
+DEFAULT_GROUP_SIZE = 4
+HYDRA_FAMILIES = ("opt", "gpt2", "llama")  # families whose LoRA targets models.py names (peft adapts them)
 
 # Overrides a scenario may carry, with their types; anything else is refused by name.
 OVERRIDES: dict[str, type] = {
     "batch_size": int, "prompt_len": int, "answer_len": int, "lora_dim": int, "only_optimize_lora": bool,
-    "actor_path": str, "critic_path": str, "seed": int, "threads": int, "dtype": str,
+    "actor_path": str, "critic_path": str, "seed": int, "threads": int, "dtype": str, "group_size": int,
     "inject_crash": str, "inject_hang": str,  # test hooks: "<phase>" or "<phase>:<rank>"
 }
 
@@ -44,6 +57,7 @@ class Scenario:
     flush: str = "none"
     world_size: int = 2
     overrides: dict[str, Any] = field(default_factory=dict)
+    algorithm: str = "ppo"
 
     def __post_init__(self) -> None:
         from .models import MODEL_PAIRS
@@ -52,6 +66,14 @@ class Scenario:
         _check("model pair", self.models, tuple(MODEL_PAIRS))
         _check(f"strategy for {self.framework}", self.strategy, FRAMEWORK_STRATEGIES[self.framework])
         _check("flush policy", self.flush, FLUSH_POLICIES)
+        _check(f"algorithm for {self.framework}", self.algorithm, FRAMEWORK_ALGORITHMS[self.framework])
+        if self.strategy == "hydra":
+            pair = MODEL_PAIRS[self.models]
+            if pair.actor.family not in HYDRA_FAMILIES or not pair.lora_targets:
+                raise ScenarioError(f"strategy 'hydra' needs a model family peft can adapt with LoRA; {self.models!r} "
+                                    f"is {pair.actor.family!r}; valid families: {', '.join(HYDRA_FAMILIES)}")
+        if self.strategy == "hydra" and self.algorithm != "ppo":
+            raise ScenarioError(f"strategy 'hydra' is Hydra-PPO: algorithm must be ppo, got {self.algorithm!r}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ScenarioError(f"world_size must be a positive integer, got {self.world_size!r}")
         for k, v in self.overrides.items():
@@ -59,12 +81,20 @@ class Scenario:
                 raise ScenarioError(f"unknown scenario override {k!r}; valid: {', '.join(OVERRIDES)}")
             if not isinstance(v, OVERRIDES[k]) or (OVERRIDES[k] is int and isinstance(v, bool)):
                 raise ScenarioError(f"override {k}={v!r} must be of type {OVERRIDES[k].__name__}")
+        if "group_size" in self.overrides:
+            if self.algorithm != "grpo":
+                raise ScenarioError(f"override group_size applies to algorithm grpo only, not {self.algorithm!r}")
+            if self.overrides["group_size"] < 2:
+                raise ScenarioError(f"override group_size={self.overrides['group_size']!r}: GRPO normalises rewards "
+                                    "within a group, so it needs at least 2 samples per prompt (group_size >= 2)")
 
     @property
     def id(self) -> str:
-        base = f"{self.framework}/{self.models}/{self.strategy}/flush-{self.flush}/x{self.world_size}"
+        alg = "" if self.algorithm == "ppo" else f"/{self.algorithm}"  # PPO ids stay as they always were
+        base = f"{self.framework}/{self.models}/{self.strategy}{alg}/flush-{self.flush}/x{self.world_size}"
         shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
-                 if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype")]
+                 if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype",
+                          "group_size")]
         return base + ("/" + ",".join(shape) if shape else "")
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -72,11 +102,16 @@ class Scenario:
 
     def flush_after(self, phase: str) -> bool:
         """Does the flush policy call empty_cache at the end of ``phase``?"""
-        if phase in INFERENCE_PHASES:
+        if phase in INFERENCE_PHASES or phase == "generate_greedy":
             return self.flush in ("after-inference", "after-both")
         if phase in TRAINING_PHASES:
             return self.flush in ("after-training", "after-both")
         return False
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The phases of this scenario's algorithm, in order."""
+        return ALGORITHM_PHASES[self.algorithm]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -86,4 +121,4 @@ class Scenario:
     @classmethod
     def from_dict(cls, d: dict) -> Scenario:
         return cls(d["framework"], d["models"], d["strategy"], d.get("flush", "none"), int(d.get("world_size", 2)),
-                   dict(d.get("overrides") or {}))
+                   dict(d.get("overrides") or {}), d.get("algorithm", "ppo"))

@@ -1,0 +1,230 @@
+"""Host memory of one rank, measured for real (never simulated): peak resident set size and pinned (or
+offloaded) host bytes, per phase and over the iteration.
+
+Why: offloading (ZeRO-Offload, ZeRO-3 + CPU offload) moves model states out of the GPU into host memory;
+MemAscend (2025) shows such a run can fit the GPU and still exhaust the host (pinned buffers, peaks while
+offloading). The device figures say nothing about that, so every result also carries these.
+
+Figures, all in bytes, per rank:
+
+- ``host_peak_rss``: the most resident memory the process held (Linux ``VmHWM``). At each phase start
+  the peak is read (it folds into the iteration's peak) and reset by writing ``5`` to
+  ``/proc/self/clear_refs`` (Linux >= 4.0, ``Documentation/filesystems/proc.rst``); it is read again at
+  the phase end. Where that write is refused, a thread samples ``/proc/self/statm`` every millisecond
+  instead (a peak shorter than the interval can be missed); :attr:`HostMemory.rss_method` says which.
+  On the CPU path RSS includes the tensors the device trace models (they live in host RAM there): the
+  device figures are simulated, these are the process's real footprint.
+- ``host_pinned_peak``: on CUDA, the most page-locked memory held by PyTorch's caching host allocator
+  (``torch.cuda.host_memory_stats()['allocated_bytes.peak']``, peak reset per phase with
+  ``torch.cuda.reset_peak_host_memory_stats``; DeepSpeed pins its offload buffers through it). On CPU
+  nothing is page-locked (DeepSpeed's CPU accelerator's ``pin_memory`` returns the tensor as is), so the
+  figure is the live bytes of the buffers the recipe declared host-resident (``Recorder.host_resident``:
+  the offload buffers DeepSpeed pins on CUDA), read at each phase's start and end and at each declaration.
+  PyTorch before 2.6 has no host-allocator statistics; there the CPU rule is used on CUDA too.
+  :attr:`HostMemory.pinned_method` says which.
+- ``host_rss_outside_device`` (CPU path only, not budgeted): on a CPU the simulated device's tensors live
+  in the same RSS, so offloading cannot raise it the way it raises a GPU machine's host memory. This
+  estimate takes, at each phase end, the RSS at that moment minus the device trace's live tensor bytes
+  (``requested_at_phase_end``: exact bytes, no allocator model), and keeps the largest: the host
+  footprint a GPU machine would have (glibc keeps freed pages, so it leans high).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+HOST_METRIC_NAMES = ("host_peak_rss", "host_pinned_peak")
+RSS_HWM = "VmHWM, reset per phase through /proc/self/clear_refs"
+RSS_SAMPLED = "sampled from /proc/self/statm every 1 ms"
+PINNED_CUDA = "torch.cuda.host_memory_stats allocated_bytes.peak (page-locked)"
+PINNED_CPU = "live bytes of the offload buffers declared host-resident (not page-locked on CPU)"
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def current_rss() -> int:
+    """Resident set size now (bytes); 0 where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _has_host_allocator_stats() -> bool:
+    import torch
+
+    return hasattr(torch.cuda, "host_memory_stats") and hasattr(torch.cuda, "reset_peak_host_memory_stats")
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _Sampler(threading.Thread):
+    """Fallback peak-RSS meter: polls ``/proc/self/statm``; ``reset()`` restarts the peak at the current RSS."""
+
+    def __init__(self, interval_s: float = 0.001) -> None:
+        super().__init__(name="rlhfmem-rss-sampler", daemon=True)
+        self.interval_s = interval_s
+        self.peak = current_rss()
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            rss = current_rss()
+            if rss > self.peak:
+                self.peak = rss
+
+    def read(self) -> int:
+        self.peak = max(self.peak, current_rss())
+        return self.peak
+
+    def reset(self) -> None:
+        self.peak = current_rss()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+@dataclass
+class HostMemory:
+    """One rank's host meter. The recorder calls :meth:`begin_phase` / :meth:`end_phase` at its phase
+    boundaries and :meth:`note_offloaded` for every host-resident declaration; :meth:`to_dict` gives the
+    figures (bytes)."""
+
+    device: str  # "cpu" | "cuda"
+    rss_method: str = ""
+    pinned_method: str = ""
+    peak_rss: int = 0
+    pinned_peak: int = 0
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    _sampler: _Sampler | None = None
+    _offloaded: dict[int, tuple[int, weakref.ref]] = field(default_factory=dict)  # storage ptr -> (bytes, ref)
+    _phase: str | None = None
+    _phase_pinned: int = 0
+    _cuda_stats: bool = False  # torch.cuda.host_memory_stats available and used
+
+    def start(self) -> None:
+        """Begin measuring (before the first model is built)."""
+        self._cuda_stats = self.device == "cuda" and _has_host_allocator_stats()
+        self.pinned_method = PINNED_CUDA if self._cuda_stats else PINNED_CPU
+        if _status_kib("VmHWM") is not None and _reset_hwm():
+            self.rss_method = RSS_HWM
+        else:
+            self.rss_method = RSS_SAMPLED
+            self._sampler = _Sampler()
+            self._sampler.start()
+        self._reset_pinned_peak()
+
+    def stop(self) -> None:
+        """Fold the time after the last phase into the iteration peak and stop the sampler."""
+        self.peak_rss = max(self.peak_rss, self._read_rss_peak())
+        self.pinned_peak = max(self.pinned_peak, self._read_pinned_peak())
+        if self._sampler is not None:
+            self._sampler.stop()
+
+    # -- phase boundaries -------------------------------------------------------------------------
+    def begin_phase(self, name: str) -> None:
+        self.peak_rss = max(self.peak_rss, self._read_rss_peak())  # what happened since the last reset
+        self.pinned_peak = max(self.pinned_peak, self._read_pinned_peak())
+        self._reset_rss_peak()
+        self._reset_pinned_peak()
+        self._phase = name
+        self._phase_pinned = 0 if self._cuda_stats else self._offloaded_live()
+
+    def end_phase(self, name: str) -> None:
+        rss, pinned = self._read_rss_peak(), self._read_pinned_peak()
+        self.phases[name] = {"host_peak_rss": rss, "host_pinned_peak": pinned, "host_rss_at_end": current_rss()}
+        self.peak_rss = max(self.peak_rss, rss)
+        self.pinned_peak = max(self.pinned_peak, pinned)
+        self._phase = None
+
+    def note_offloaded(self, tensors: Iterable) -> None:
+        """CPU: remember these host-resident buffers (weakly) so their live bytes can be read."""
+        for t in tensors:
+            if t is None:
+                continue
+            s = t.untyped_storage()
+            if s.data_ptr() and s.nbytes():
+                self._offloaded[s.data_ptr()] = (s.nbytes(), weakref.ref(t))
+        if not self._cuda_stats:
+            self._phase_pinned = max(self._phase_pinned, self._offloaded_live())
+
+    # -- readings ---------------------------------------------------------------------------------
+    def _read_rss_peak(self) -> int:
+        if self._sampler is not None:
+            return self._sampler.read()
+        return _status_kib("VmHWM") or 0
+
+    def _reset_rss_peak(self) -> None:
+        if self._sampler is not None:
+            self._sampler.reset()
+        else:
+            _reset_hwm()
+
+    def _offloaded_live(self) -> int:
+        dead = [p for p, (_n, ref) in self._offloaded.items() if ref() is None]
+        for p in dead:
+            del self._offloaded[p]
+        return sum(n for n, _ref in self._offloaded.values())
+
+    def _read_pinned_peak(self) -> int:
+        if self._cuda_stats:
+            import torch
+
+            return int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0))
+        self._phase_pinned = max(self._phase_pinned, self._offloaded_live())
+        return self._phase_pinned
+
+    def _reset_pinned_peak(self) -> None:
+        if self._cuda_stats:
+            import torch
+
+            torch.cuda.reset_peak_host_memory_stats()
+        else:
+            self._phase_pinned = self._offloaded_live()
+
+    def to_dict(self) -> dict:
+        """``{"host_peak_rss", "host_pinned_peak", "rss_method", "pinned_method", "measured": True,
+        "phases": {phase: {"host_peak_rss", "host_pinned_peak"}}}`` (bytes)."""
+        return {"host_peak_rss": self.peak_rss, "host_pinned_peak": self.pinned_peak, "rss_method": self.rss_method,
+                "pinned_method": self.pinned_method, "measured": True, "phases": dict(self.phases)}
+
+
+def attach_host(result: dict, host: HostMemory) -> dict:
+    """Put ``host``'s figures into a rank result: ``result["host"]`` (methods and per-phase figures) and,
+    under :data:`HOST_METRIC_NAMES`, into ``result["total"]`` and each ``result["phases"]`` entry, where
+    the launcher takes the maximum over ranks. Returns ``result``."""
+    d = host.to_dict()
+    result["host"] = d
+    result["total"].update({k: d[k] for k in HOST_METRIC_NAMES})
+    live = result.get("requested_at_phase_end") or {}
+    outside = []
+    for p in result["phases"]:
+        h = d["phases"].get(p["phase"], {})
+        p.update({k: h.get(k, 0) for k in HOST_METRIC_NAMES})
+        if result.get("simulated") and p["phase"] in live and h.get("host_rss_at_end"):
+            p["host_rss_outside_device"] = h["host_rss_at_end"] - live[p["phase"]]
+            outside.append(p["host_rss_outside_device"])
+    if outside:
+        result["total"]["host_rss_outside_device"] = max(outside)
+    return result

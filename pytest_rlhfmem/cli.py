@@ -169,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .rlhf.cli_run import add_run_parser  # noqa: PLC0415 (keeps `replay` free of torch imports)
     add_run_parser(sub)
+    from .advise import add_advise_parser  # noqa: PLC0415
+    add_advise_parser(sub)
     return p
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
 from .trace import (
-    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, Event, Trace, trace_from_snapshot,
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, PHASE_END, Event, Trace, trace_from_snapshot,
 )
 
 _MARK = "rlhfmem::mark::"
@@ -70,6 +70,7 @@ class Recorder:
     _ext: object = None
     backend: str = ""
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
+    flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -113,7 +114,7 @@ class Recorder:
         if self.device == "off":
             return
         if self.device == "cuda":
-            if kind in (PHASE, FLUSH):
+            if kind in (PHASE, PHASE_END, FLUSH):
                 self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))
             return
         k = len(self._marks)
@@ -150,13 +151,18 @@ class Recorder:
                 torch.cuda.synchronize()
                 rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
             rec.wall_s = time.perf_counter() - t0
+            self._mark(PHASE_END, name)
 
     def flush(self, point: str) -> None:
         """The flush policy's ``torch.cuda.empty_cache()``: real on CUDA, a FLUSH event on CPU."""
         if self.device == "cuda":
             import torch
 
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            self.flush_times.append((point, time.perf_counter() - t0))  # measured: the cudaFree calls' cost
         self._mark(FLUSH, point)
 
     def host_resident(self, tensors: Iterable) -> None:
@@ -234,7 +240,7 @@ class Recorder:
                     out.append(Event(FREE, ptr, -size, 0, t_us))
                 continue
             mkind, payload = self._marks[a]
-            if mkind in (PHASE, FLUSH):
+            if mkind in (PHASE, PHASE_END, FLUSH):
                 out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
             elif mkind == "host_resident":
                 for ptr, _n in payload:  # type: ignore[union-attr]

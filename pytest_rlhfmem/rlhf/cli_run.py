@@ -57,7 +57,10 @@ def _run(args: argparse.Namespace) -> int:
              if result["simulated"] else "measured: CUDA caching allocator")
     print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
     if args.json_out:
+        from ..memory.trace_io import store_beside
+
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        store_beside([result], args.json_out)  # each rank's trace, for rlhfmem advise
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if result["status"] != "ok":
         from ..results import IterationResult

@@ -165,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     trace = rec.stop()
     result = rank_result(scenario, rank, world_size, args.device, rec, trace, info, error, threads, wall)
+    if not args.no_capture:  # the program's own trace, for `rlhfmem advise` and the flush cost
+        from ..advise import flush_cost
+        from ..memory.trace_io import SUFFIX, save_trace
+
+        result["trace_file"] = str(save_trace(out / f"trace-rank{rank}{SUFFIX}", trace))
+        result["flush_cost"] = flush_cost(trace, measured_flush_s=rec.flush_times)
     if args.snapshot_dir and not args.no_capture:
         from ..memory.replay import ANCHORED, FREE_RUNNING, replay
         from ..memory.trace import CAPTURE_CUDA, Trace

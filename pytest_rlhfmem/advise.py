@@ -299,8 +299,13 @@ def _large_request_mib(ranks: list[RankInput]) -> list[int]:
     return out[:4]
 
 
+_KIND_ORDER = {"flush": 0, "flush-set": 1, "setting": 2, "combination": 3, "policy": 4, "recorded": 5}
+
+
 def _cost_key(c: dict) -> tuple:
-    return (c["ooms"] > 0, c["peak_reserved"], c["extra_cuda_malloc"] + c["extra_cuda_free"], c["bytes_reacquired"])
+    """Rank: no OOM, then peak reserved, then extra allocator calls, bytes re-acquired, fewer changes."""
+    return (c["ooms"] > 0, c["peak_reserved"], c["extra_cuda_malloc"] + c["extra_cuda_free"], c["bytes_reacquired"],
+            len(c["flushes_at"]) + bool(c["alloc_conf"]), _KIND_ORDER.get(c["kind"], 9))
 
 
 def _describe(spec: Spec) -> str:
@@ -333,7 +338,8 @@ class ScenarioInput:
 
 
 def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = DEFAULT_MAX_FLUSHES,
-                    budget: int | None = None, capacity: int | None = None, top: int = 8) -> dict:
+                    budget: int | None = None, capacity: int | None = None, top: int = 8,
+                    settings: tuple[str, ...] = ()) -> dict:
     """Run the sweep on one scenario; returns its JSON section (see ``docs/advise.md``)."""
     t0 = time.perf_counter()
     names = list(si.ranks[0].boundaries.positions)
@@ -367,6 +373,8 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
         desc = _describe(spec)
         if kind == "policy":
             desc = f"study policy {policy_names.get(cid, cid)} ({len(spec.flushes)} flushes)"
+        elif kind == "recorded":
+            desc = f"flushes as recorded ({si.flush_policy or 'the program'}'s)"
         c.update({"id": cid, "kind": kind, "description": desc, "flushes_at": list(spec.flushes),
                   "alloc_conf": spec.alloc_conf, "capacity": spec.capacity,
                   "delta_peak_reserved": c["peak_reserved"] - base["peak_reserved"],
@@ -416,6 +424,8 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
         "roundup_power2_divisions": [f"roundup_power2_divisions:{v}" for v in ROUNDUP_DIVISIONS],
         "expandable_segments": ["expandable_segments:True"],
     }
+    if settings:
+        families["requested"] = list(settings)
     not_evaluated = []
     setting_specs: dict[str, Spec] = {}
     for fam, confs in families.items():
@@ -447,7 +457,15 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
             rows_by_id[f"combination:{'+'.join(s.flushes)}|{s.alloc_conf}"] = row(
                 f"combination:{'+'.join(s.flushes)}|{s.alloc_conf}", "combination", s)
 
-    ranked = sorted(rows_by_id.values(), key=_cost_key)
+    ranked, seen = [], {}
+    for r in sorted(rows_by_id.values(), key=_cost_key):  # one row per distinct candidate
+        key = (tuple(r["flushes_at"]), r["alloc_conf"], r["capacity"], r["kind"] == "recorded")
+        if key in seen:
+            seen[key].setdefault("same_as", []).append(r["id"])
+            policies = {p: (seen[key]["id"] if c == r["id"] else c) for p, c in policies.items()}
+            continue
+        seen[key] = r
+        ranked.append(r)
     for i, r in enumerate(ranked):
         r["rank"] = i + 1
     best_row = ranked[0]
@@ -459,7 +477,7 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
         "events": [len(ri.program) for ri in si.ranks],
         "boundaries": names,
         "boundary_kind": si.ranks[0].boundaries.kind,
-        "baseline": rows_by_id["none"],
+        "baseline": rows_by_id["none"],  # (the rows below are the same dicts as in candidates)
         "as_recorded": rows_by_id.get("as-recorded"),
         "policies": policies,
         "candidates": ranked,
@@ -615,19 +633,32 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
     return [ScenarioInput(p.stem, CAPTURE_CUDA, ranks)]
 
 
+def check_settings(settings: tuple[str, ...] | list[str]) -> None:
+    """Refuse an extra setting with an unknown key or a bad value (:class:`AllocatorConfigError`); a
+    setting the model does not implement (``expandable_segments:True``) is kept and listed as not evaluated."""
+    for conf in settings:
+        try:
+            AllocatorConfig.parse(conf)
+        except AllocatorConfigError as exc:
+            if "not modelled" not in str(exc):
+                raise
+
+
 def advise(path: str | Path, max_flushes: int = DEFAULT_MAX_FLUSHES, budget: int | None = None,
-           capacity: int | None = None, processes: int | None = None) -> dict:
+           capacity: int | None = None, processes: int | None = None, settings: tuple[str, ...] = ()) -> dict:
     """The whole advisor: one JSON document for every scenario of INPUT (see ``docs/advise.md``).
 
-    Raises :class:`AdviseInputError` for an input it cannot use.
+    ``settings``: extra ``PYTORCH_CUDA_ALLOC_CONF`` strings to evaluate. Raises :class:`AdviseInputError`
+    for an input it cannot use, :class:`AllocatorConfigError` for a bad extra setting.
     """
+    check_settings(settings)
     inputs = load_inputs(path)
     procs = processes if processes is not None else min(2, os.cpu_count() or 1)
     sections = []
     for si in inputs:
         ev = Evaluator(si.ranks, procs)
         try:
-            sections.append(advise_scenario(si, ev, max_flushes, budget, capacity))
+            sections.append(advise_scenario(si, ev, max_flushes, budget, capacity, settings=tuple(settings)))
         finally:
             ev.close()
     return {"schema": SCHEMA, "input": str(path), "scenarios": sections}
@@ -779,6 +810,8 @@ def add_advise_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
                    "garbage_collection_threshold candidates (default: --budget, else the no-flush peak)")
     a.add_argument("--max-flushes", type=int, default=DEFAULT_MAX_FLUSHES, metavar="K",
                    help=f"largest flush set searched (default {DEFAULT_MAX_FLUSHES})")
+    a.add_argument("--setting", action="append", default=[], metavar="CONF",
+                   help="an extra PYTORCH_CUDA_ALLOC_CONF to evaluate (repeatable), e.g. max_split_size_mb:128")
     a.add_argument("--top", type=int, default=8, help="rows printed per scenario (default 8)")
     a.add_argument("--processes", type=int, default=None, help="replay processes (default: 2, or 1 on 1 core)")
     a.set_defaults(func=_cli)
@@ -797,7 +830,7 @@ def _cli(args) -> int:  # noqa: ANN001
         raise CliError(f"--max-flushes {args.max_flushes}: must be >= 0")
     try:
         doc = advise(args.input, max_flushes=args.max_flushes, budget=budget, capacity=capacity,
-                     processes=args.processes)
+                     processes=args.processes, settings=tuple(args.setting))
     except (AdviseInputError, AllocatorConfigError) as exc:
         raise CliError(str(exc)) from None
     for line in text_lines(doc, args.top):

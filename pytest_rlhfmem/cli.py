@@ -99,7 +99,9 @@ def _diff(args: argparse.Namespace) -> int:
         base, head = load_side(args.base), load_side(args.head)
         if args.ignore_flush:
             base, head = without_flush(base), without_flush(head)
-        d = diff(base, head, threshold)
+        from .timing import load_spreads
+
+        d = diff(base, head, threshold, load_spreads(args.time_spread))
     except (ReportInputError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if args.format == "json":
@@ -157,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fail-on-regression", action="store_true", help="exit 1 when anything regressed")
     d.add_argument("--ignore-flush", action="store_true",
                    help="pair scenarios that differ only in flush policy (e.g. flush-none vs flush-after-inference)")
+    d.add_argument("--time-spread", default=None, metavar="YAML", help="recorded run-to-run time spreads "
+                   "(baselines/<profile>/time_spread.yaml) for results timed in one round")
     d.set_defaults(func=_diff)
 
     pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two overlaid")

@@ -22,6 +22,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
+    r.add_argument("--time-rounds", type=int, default=1, metavar="N",
+                   help="run the iteration N times: the time is their median with its spread")
     r.set_defaults(func=_run)
 
 
@@ -33,9 +35,12 @@ def phase_table(result: dict) -> list[str]:
                      format_size(p["fragmentation_at_peak"]) if p["fragmentation_at_peak"] else "-",
                      str(p["cuda_malloc_count"]), f"{p['wall_s']:.2f} s"))
     m = result["metrics"]
+    from ..timing import time_figure
+
+    tf = time_figure(result)
     rows.append(("iteration", format_size(m["peak_reserved"]), format_size(m["peak_allocated"]),
                  format_size(m["fragmentation_at_peak"]), str(m["cuda_malloc_count"]),
-                 f"{result['iteration_wall_s'] or 0:.2f} s"))
+                 tf.text() if tf else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
 
@@ -51,6 +56,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
         result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
+        if args.time_rounds > 1 and result["status"] == "ok":
+            from ..timing import with_rounds
+
+            result = with_rounds(result, [run_scenario(scenario, device=args.device, timeout=args.timeout)
+                                          for _ in range(args.time_rounds - 1)])
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"

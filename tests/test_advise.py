@@ -252,3 +252,27 @@ def test_flush_none_trace_predicts_each_policy_run_byte_for_byte(strategy, tmp_p
         assert pred["peak_reserved"] == r["metrics"]["peak_reserved"], flush
         assert (pred["fragmentation_at_peak"] or 0) == (r["metrics"]["fragmentation_at_peak"] or 0), flush
         assert pred["cuda_malloc"] == r["metrics"]["cuda_malloc_count"], flush
+
+
+PLUGIN_TEST = """
+def test_step(ppo_iteration, memory_budget):
+    memory_budget.check(ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none",
+                                      flush="none", world_size=1, device="cpu"))
+"""
+
+
+def test_plugin_adds_the_advice_to_an_over_budget_failure(pytester):
+    pytester.makepyfile(test_step=PLUGIN_TEST)
+    pytester.runpytest_subprocess("--rlhfmem-update-baselines").assert_outcomes(passed=1)
+    budget = pytester.path / "baselines" / "cpu" / "step.yaml"
+    text = budget.read_text()
+    import yaml
+
+    data = yaml.safe_load(text)
+    entry = next(iter(data["entries"].values()))
+    entry["metrics"]["peak_reserved"] = "8 MiB"  # far below: nothing fits, the advisor says so
+    budget.write_text(yaml.safe_dump(data))
+    r = pytester.runpytest_subprocess("--rlhfmem-advise", "--rlhfmem-report", "report.md")
+    r.assert_outcomes(failed=1)
+    r.stdout.fnmatch_lines(["*over its memory budget*", "*rlhfmem advise: no evaluated change fits 8.00 MiB*"])
+    assert "What to try" in (pytester.path / "report.md").read_text()

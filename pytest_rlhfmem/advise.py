@@ -785,7 +785,7 @@ def one_line(result: dict, budget: int | None = None) -> str:
         with tempfile.TemporaryDirectory() as d:
             p = Path(d) / "result.json"
             p.write_text(json.dumps(result))
-            doc = advise(p, budget=budget)
+            doc = advise(p, budget=budget, processes=1)  # inside pytest: no fork of the test process
         s = doc["scenarios"][0]
         if s["budget"]:
             return f"rlhfmem advise: {s['budget']['text']} (best: {s['recommendation']['text']})"

@@ -49,5 +49,6 @@ def run_benchmarked(benchmark, ppo_iteration, scenario: Scenario, device: str):
                                 kwargs={"device": device, **scenario.overrides}, rounds=1, iterations=1)
     benchmark.extra_info.update({"scenario_id": result.scenario_id, "capture": result.capture,
                                  "simulated": result.simulated, "iteration_wall_s": result["iteration_wall_s"],
+                                 "time_rounds": result.data.get("time_rounds"),  # --rlhfmem-time-rounds
                                  "memory": result.metrics, "memory_units": "bytes for sizes, plain counts"})
     return result

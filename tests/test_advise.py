@@ -276,3 +276,18 @@ def test_plugin_adds_the_advice_to_an_over_budget_failure(pytester):
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines(["*over its memory budget*", "*rlhfmem advise: no evaluated change fits 8.00 MiB*"])
     assert "What to try" in (pytester.path / "report.md").read_text()
+
+
+def test_greedy_search_finds_a_two_flush_set_no_single_flush_reaches(tmp_path):
+    """generate caches 30 MiB, infer_actor 36 MiB, train_actor needs 40 MiB: one flush gets the peak to
+    66 MiB at best, the pair to 40 MiB. The search adds the second flush before the new peak."""
+    ev = []
+    for k, (name, mib) in enumerate((("generate", 30), ("infer_actor", 36), ("train_actor", 40))):
+        ev += [Event(PHASE, name=name), Event(ALLOC, 0x1000 * (k + 1), mib * MiB),
+               Event(FREE, 0x1000 * (k + 1), mib * MiB), Event(PHASE_END, name=name)]
+    s = advise(result_json(tmp_path, [Trace(events=ev, capture=CAPTURE_CPU_SIMULATED)]), processes=1)["scenarios"][0]
+    assert s["baseline"]["peak_reserved"] == 106 * MiB
+    assert [st["set"] for st in s["search"]["steps"]] == [["infer_actor"], ["generate", "infer_actor"]]
+    best = s["candidates"][0]
+    assert best["peak_reserved"] == 40 * MiB and set(best["flushes_at"]) == {"generate", "infer_actor"}
+    assert s["recommendation"]["text"].startswith("flush after generate and infer_actor: -62.3% peak reserved")

@@ -229,7 +229,7 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
             "peak_phase": res.peak_phase, "cuda_malloc": t.cuda_malloc_count, "cuda_free": t.cuda_free_count,
             "bytes_acquired": sum(s for _, s in res.segment_allocs), "alloc_retries": t.alloc_retries,
             "ooms": t.ooms, "peak_allocated": t.peak_allocated,
-            "flushes": len(res.flushes), "requested_at_phase_end": res.requested_at_phase_end}
+            "flushes": len(res.flushes)}
 
 
 class Evaluator:
@@ -278,7 +278,6 @@ def _aggregate(rows: list[dict]) -> dict:
     out["peak_rank"] = top["rank"]
     out["per_rank"] = [{k: d[k] for k in ("rank", "peak_reserved", "fragmentation_at_peak", "peak_phase",
                                           "cuda_malloc", "cuda_free")} for d in rows]
-    out["_requested_at_phase_end"] = [d["requested_at_phase_end"] for d in rows]
     return out
 
 
@@ -369,7 +368,6 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
 
     def row(cid: str, kind: str, spec: Spec) -> dict:
         c = dict(evaluator.cache[spec])
-        c.pop("_requested_at_phase_end", None)
         desc = _describe(spec)
         if kind == "policy":
             desc = f"study policy {policy_names.get(cid, cid)} ({len(spec.flushes)} flushes)"
@@ -507,8 +505,8 @@ def _time_estimate(si: ScenarioInput, c: dict) -> dict | None:
 
 
 def _premise(si: ScenarioInput, ev: Evaluator, rows: dict) -> dict:
-    """What the advisor can check itself: requested bytes at every phase end are the same under every
-    placement (by construction), and the replay of the trace as recorded against the run's measured figures."""
+    """The premise, and what the advisor can check itself: the replay of the trace as recorded against the
+    run's measured peak reserved and fragmentation."""
     text = ("a flush changes the allocator's state, not the program's allocations: every candidate replays the "
             "same allocations. This holds for the recipes (tests/test_advise.py); a program that reads "
             "memory_reserved() or catches OOM to allocate differently would not follow these predictions.")
@@ -534,14 +532,10 @@ def _recommend(best: dict, base: dict) -> dict:
     if best["peak_reserved"] >= base["peak_reserved"] or best["id"] == "none":
         return {"candidate": "none", "text": (f"no flush placement or evaluated setting lowers peak reserved below "
                                                f"{format_size(base['peak_reserved'])}: keep the program as it is")}
-    text = (f"{_describe_row(best)}: {best['delta_peak_pct']:+.1f}% peak reserved "
+    text = (f"{best['description']}: {best['delta_peak_pct']:+.1f}% peak reserved "
             f"({format_size(base['peak_reserved'])} -> {format_size(best['peak_reserved'])}), "
             f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree")
     return {"candidate": best["id"], "text": text}
-
-
-def _describe_row(r: dict) -> str:
-    return r["description"]
 
 
 def _fit_budget(ranked: list[dict], base: dict, budget: int) -> dict:

@@ -87,7 +87,9 @@ def _diff(args: argparse.Namespace) -> int:
         base, head = load_side(args.base), load_side(args.head)
         if args.ignore_flush:
             base, head = without_flush(base), without_flush(head)
-        d = diff(base, head, threshold)
+        from .timing import load_spreads
+
+        d = diff(base, head, threshold, load_spreads(args.time_spread))
     except (ReportInputError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if args.format == "json":
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fail-on-regression", action="store_true", help="exit 1 when anything regressed")
     d.add_argument("--ignore-flush", action="store_true",
                    help="pair scenarios that differ only in flush policy (e.g. flush-none vs flush-after-inference)")
+    d.add_argument("--time-spread", default=None, metavar="YAML", help="recorded run-to-run time spreads "
+                   "(baselines/<profile>/time_spread.yaml) for results timed in one round")
     d.set_defaults(func=_diff)
 
     pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two overlaid")
@@ -161,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     from .command.cli import add_capture_parser  # noqa: PLC0415 - `rlhfmem capture -- COMMAND`
     add_capture_parser(sub)
+    from .advise import add_advise_parser  # noqa: PLC0415
+    add_advise_parser(sub)
     return p
 
 

@@ -60,6 +60,7 @@ def run_benchmarked(benchmark, ppo_iteration, scenario: Scenario, device: str):
                                 kwargs=kwargs, rounds=1, iterations=1)
     benchmark.extra_info.update({"scenario_id": result.scenario_id, "capture": result.capture,
                                  "simulated": result.simulated, "iteration_wall_s": result["iteration_wall_s"],
+                                 "time_rounds": result.data.get("time_rounds"),  # --rlhfmem-time-rounds
                                  "memory": result.metrics, "memory_units": "bytes for sizes, plain counts",
                                  "host_figures": "measured (host_peak_rss, host_pinned_peak)"})
     return result

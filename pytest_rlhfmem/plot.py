@@ -110,6 +110,15 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
         ax.axvspan(start, stop, color=PHASE_COLOURS[n % 2], zorder=0)
         ax.text((start + stop) / 2, ymax * 0.98, phase, ha="center", va="top", fontsize=8, rotation=90)
     _plot_host_rss(ax, _peak_rank(results[0][1]), starts, end)
+    from .timing import compare_times, time_figure
+
+    figs = [time_figure(r) for _, r in results[:2]]
+    if len(figs) == 2:  # a time difference is shown only with its noise (issue 15)
+        tnote = compare_times(figs[0], figs[1])[1] + f" ({results[0][0]} vs {results[1][0]})"
+    else:
+        tnote = f"iteration time {figs[0].text()}" if figs[0] else ""
+    if tnote:
+        ax.text(0.01, 0.01, tnote, transform=ax.transAxes, fontsize=8, color="#555555", va="bottom")
     r0 = results[0][1]
     sim = " (simulated: CPU trace through the allocator model)" if r0.get("simulated") else " (CUDA)"
     ax.set_title(f"{r0['scenario_id']}{sim}" if len(results) == 1 else

@@ -59,6 +59,10 @@ OPTIONS = (
             "baselines to this path; a JSON twin is written beside it"),
     _Option("--rlhfmem-benchmark-json", "rlhfmem_benchmark_json", "write github-action-benchmark "
             "customSmallerIsBetter JSON (one entry per scenario and metric, unit bytes)"),
+    _Option("--rlhfmem-time-rounds", "rlhfmem_time_rounds", "run each iteration N times: times become the "
+            "median with their spread (memory figures from the first round)", "int", 1),
+    _Option("--rlhfmem-advise", "rlhfmem_advise", "for a scenario over its budget, add rlhfmem advise's "
+            "recommendation (from the run's own trace) to the failure message and the report", "bool", False),
 )
 
 
@@ -72,8 +76,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             kw: dict[str, Any] = {"dest": o.dest, "default": None, "help": o.help}
             if o.choices:
                 kw["choices"] = o.choices
-            if o.kind == "float":
-                kw["type"] = float
+            if o.kind in ("float", "int"):
+                kw["type"] = float if o.kind == "float" else int
             group.addoption(o.flag, **kw)
             parser.addini(o.dest, o.help + " (ini twin of " + o.flag + ")", default=o.default)
 
@@ -87,11 +91,11 @@ def _opt(config: pytest.Config, dest: str) -> Any:
     v = config.getini(dest)
     if v in (None, ""):
         return o.default
-    if o.kind == "float":
+    if o.kind in ("float", "int"):
         try:
-            return float(v)
+            return float(v) if o.kind == "float" else int(v)
         except ValueError:
-            raise pytest.UsageError(f"ini option {dest} = {v!r}: expected a number of seconds") from None
+            raise pytest.UsageError(f"ini option {dest} = {v!r}: expected a number") from None
     if o.choices and v not in o.choices:
         raise pytest.UsageError(f"ini option {dest} = {v!r}: allowed values are {', '.join(o.choices)}")
     return v
@@ -101,7 +105,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "gpu(count=1, min_memory_gib=None): needs `count` CUDA devices with at least `min_memory_gib` "
         "GiB each; see --gpu-marker for what happens when they are missing")
-    for dest in ("gpu_marker", "rlhfmem_device", "rlhfmem_timeout"):
+    for dest in ("gpu_marker", "rlhfmem_device", "rlhfmem_timeout", "rlhfmem_time_rounds"):
         _opt(config, dest)  # validate ini values early: a bad one is a usage error
     manager = RlhfmemSession(config)
     config.pluginmanager.register(manager, "rlhfmem_session")
@@ -249,7 +253,10 @@ class RlhfmemSession:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
         out = _opt(self.config, "rlhfmem_json")
         if out:
+            from .memory.trace_io import store_beside
+
             Path(out).parent.mkdir(parents=True, exist_ok=True)
+            store_beside(self.results, out)  # each rank's trace beside the JSON, for rlhfmem advise
             Path(out).write_text(json.dumps(self.session_json(), indent=1))
         from . import report
 
@@ -294,11 +301,17 @@ class RlhfmemSession:
                           "simulated; on CPU 'pinned' = offload buffers held in host memory (nothing is page-locked)")
         from .report import flush_tradeoffs
 
-        trade = flush_tradeoffs(self.results)
+        from .timing import session_spreads
+
+        trade = flush_tradeoffs(self.results, session_spreads(self.baselines_dir()))
         if trade:
-            tr.write_line("flush policies: memory saving next to time overhead (iteration wall time)")
+            tr.write_line("flush policies: memory saving next to the iteration-time change (with its noise) and "
+                          "the flush's own cost in allocator calls")
             for line in trade:
                 tr.write_line("  " + line)
+        for r in self.results:
+            if r.get("advice"):
+                tr.write_line(f"{r['scenario_id']}: {r['advice']}")
         for s in self.update_summaries:
             tr.write_line(f"rlhfmem: {s.path}: {len(s.updated)} updated, {len(s.new)} new, "
                           f"{len(s.unchanged)} unchanged")
@@ -372,12 +385,19 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
             scenario = Scenario(framework, models, strategy, flush, world_size, overrides, algorithm)
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
-        work = tmp_path_factory.mktemp("rlhfmem-run")
-        try:
-            data = run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
-                                timeout=_opt(request.config, "rlhfmem_timeout"),
-                                snapshot_dir=_opt(request.config, "rlhfmem_snapshots"), work_dir=work,
+        def once(snapshots: str | None) -> dict:
+            return run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
+                                timeout=_opt(request.config, "rlhfmem_timeout"), snapshot_dir=snapshots,
+                                work_dir=tmp_path_factory.mktemp("rlhfmem-run"),
                                 cuda_emulation=_opt(request.config, "rlhfmem_cuda_emulation"))
+
+        try:
+            data = once(_opt(request.config, "rlhfmem_snapshots"))
+            rounds = _opt(request.config, "rlhfmem_time_rounds") or 1
+            if rounds > 1 and data["status"] == "ok":  # time noise from repeated iterations (timing.py)
+                from .timing import with_rounds
+
+                data = with_rounds(data, [once(None) for _ in range(rounds - 1)])
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
         result = IterationResult(data)
@@ -483,9 +503,18 @@ class MemoryBudget:
         self.checked.append(eid)
         if over:
             label = "simulated (CPU trace through the allocator model)" if result.simulated else "measured on CUDA"
+            advice = ""
+            if _opt(self.session.config, "rlhfmem_advise"):
+                from .advise import one_line
+
+                budget = entry.metrics.get("peak_reserved")
+                advice = one_line(result.data, budget=int(budget) if budget else None)
+                self.session.record(nodeid, result, verdict)["advice"] = advice
+                advice = "\n" + advice
             pytest.fail(
                 f"{eid} is over its memory budget ({label}); budget file {path}\n"
-                f"peak reserved reached in phase: {result.peak_phase}\n\n{B.format_table(rows)}", pytrace=False)
+                f"peak reserved reached in phase: {result.peak_phase}\n\n{B.format_table(rows)}{advice}",
+                pytrace=False)
 
 
 @pytest.fixture

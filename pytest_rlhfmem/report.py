@@ -93,13 +93,17 @@ def parse_threshold(text: str) -> float:
         raise ValueError(f"threshold {text!r}: expected a percentage like 5% or a fraction like 0.05") from None
 
 
+TIME_METRIC = "iteration_time"
+
+
 @dataclass
 class DiffRow:
     scenario: str
     metric: str
-    base: int | None
-    head: int | None
+    base: int | float | None
+    head: int | float | None
     status: str
+    note: str = ""  # time rows: the noise verdict ("within noise (+-X%)", "noise unknown")
 
     @property
     def delta(self) -> int | None:
@@ -110,15 +114,17 @@ class DiffRow:
         d = self.delta
         return None if d is None or not self.base else 100.0 * d / self.base
 
-    def fmt(self, v: int | None) -> str:
+    def fmt(self, v: int | float | None) -> str:
         if v is None:
             return "-"
+        if self.metric == TIME_METRIC:
+            return f"{v:.2f} s"
         return format_size(v) if self.metric in SIZE_BUDGETS else str(v)
 
     def to_dict(self) -> dict:
         return {"scenario": self.scenario, "metric": self.metric, "base": self.base, "head": self.head,
                 "delta": self.delta, "delta_pct": None if self.delta_pct is None else round(self.delta_pct, 3),
-                "status": self.status}
+                "status": self.status, "note": self.note}
 
 
 @dataclass
@@ -166,11 +172,33 @@ class Diff:
         return {"base": summary(self.base), "head": summary(self.head)}
 
 
-def diff(base: Side, head: Side, threshold: float = 0.05) -> Diff:
+def _time_row(sid: str, b: dict | None, h: dict | None, threshold: float, spreads: dict | None) -> DiffRow | None:
+    """Iteration time, treated like memory: a regression (improvement) must be beyond ``threshold`` AND
+    beyond the noise floor (``timing.compare_times``); with the noise unknown it is never one."""
+    from .timing import compare_times, time_figure
+
+    if not b or not h or "result" not in b or "result" not in h or h["status"] != "ok":
+        return None
+    fb, fh = time_figure(b["result"], spreads), time_figure(h["result"], spreads)
+    if fb is None or fh is None:
+        return None
+    verdict, text = compare_times(fb, fh)
+    rel = (fh.seconds - fb.seconds) / fb.seconds if fb.seconds else 0.0
+    status = "unchanged"
+    if verdict == "slower" and rel > threshold:
+        status = "regressed"
+    elif verdict == "faster" and -rel > threshold:
+        status = "improved"
+    note = f"noise unknown ({fb.source} vs {fh.source})" if verdict == "unknown" else text.split(": ", 1)[1]
+    return DiffRow(sid, TIME_METRIC, round(fb.seconds, 6), round(fh.seconds, 6), status, note)
+
+
+def diff(base: Side, head: Side, threshold: float = 0.05, spreads: dict | None = None) -> Diff:
     """Compare every budgeted metric of every scenario. A change beyond ``threshold`` (relative) and beyond
     the metric's run-to-run noise (the default budget tolerance's absolute part: 4 MiB for peak reserved,
     2 MiB for peak allocated, 3 for cudaMalloc counts) is a regression (higher) or an improvement (lower);
-    a scenario only in head is new, only in base missing."""
+    a scenario only in head is new, only in base missing. The iteration time (where both sides are results)
+    is one more row whose noise floor is the rounds' or the recorded spread (``spreads``; ``timing.py``)."""
     rows: list[DiffRow] = []
     for sid in sorted(set(base.scenarios) | set(head.scenarios)):
         b, h = base.scenarios.get(sid), head.scenarios.get(sid)
@@ -195,7 +223,11 @@ def diff(base: Side, head: Side, threshold: float = 0.05) -> Diff:
                 else:
                     status = "unchanged"
             rows.append(DiffRow(sid, m, bv, hv, status))
-    rows.sort(key=lambda r: (STATUS_ORDER[r.status], r.scenario, BUDGET_METRICS.index(r.metric)))
+        tr = _time_row(sid, b, h, threshold, spreads)
+        if tr is not None:
+            rows.append(tr)
+    order = BUDGET_METRICS + (TIME_METRIC,)
+    rows.sort(key=lambda r: (STATUS_ORDER[r.status], r.scenario, order.index(r.metric)))
     return Diff(base, head, threshold, rows)
 
 
@@ -208,7 +240,7 @@ def _md_table(rows: list[DiffRow]) -> list[str]:
     for r in rows:
         d = r.delta
         delta = "-" if d is None else ("+" if d > 0 else "") + r.fmt(d)
-        pct = "-" if r.delta_pct is None else f"{r.delta_pct:+.1f}%"
+        pct = r.note or ("-" if r.delta_pct is None else f"{r.delta_pct:+.1f}%")
         out.append(f"| `{r.scenario}` | {r.metric} | {r.fmt(r.base)} | {r.fmt(r.head)} | {delta} | {pct} | "
                    f"{_MARK[r.status]} |")
     return out
@@ -219,7 +251,8 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     lines = [f"# {title}", ""]
     verdict = ", ".join(f"**{n} {k}**" if k in ("regressed", "failed") and n else f"{n} {k}" for k, n in c.items())
     lines += [("❌ " if d.regressed else "✅ ") + verdict + f" (threshold {d.threshold * 100:g}%, and beyond "
-              "run-to-run noise: the default budget tolerances' absolute parts)", ""]
+              "run-to-run noise: the default budget tolerances' absolute parts; for iteration time the spread "
+              "of repeated rounds or the recorded spread)", ""]
     lines += [f"Base: `{d.base.label}`  ", f"Head: `{d.head.label}`", ""]
     env = d.environments()
     lines += ["| environment | base | head |", "|---|---|---|"]
@@ -259,9 +292,13 @@ def benchmark_json(results: list[dict]) -> list[dict]:
     return out
 
 
-def flush_tradeoffs(results: list[dict]) -> list[str]:
+def flush_tradeoffs(results: list[dict], spreads: dict | None = None) -> list[str]:
     """For each scenario run both without flushing and with a flush policy: the policy's peak-reserved
-    saving next to its iteration-time overhead."""
+    change, its iteration-time change WITH its noise (``timing.compare_times``: "within noise (+-X%)" unless
+    the intervals are disjoint; ``spreads`` = recorded run-to-run spreads) and the flush's own cost read
+    from the trace (flushes, cudaMalloc/cudaFree calls caused; on CUDA their measured time)."""
+    from .timing import compare_times, flush_cost_text, time_figure
+
     by_id = {r["scenario_id"]: r for r in results if r.get("status") == "ok"}
     lines = []
     for sid, r in sorted(by_id.items()):
@@ -271,10 +308,10 @@ def flush_tradeoffs(results: list[dict]) -> list[str]:
         if not base:
             continue
         pr_b, pr_h = base["metrics"]["peak_reserved"], r["metrics"]["peak_reserved"]
-        t_b, t_h = base.get("iteration_wall_s"), r.get("iteration_wall_s")
         mem = f"peak reserved {format_size(pr_b)} -> {format_size(pr_h)} ({100.0 * (pr_h - pr_b) / pr_b:+.1f}%)"
-        tim = f"time {t_b:.2f} s -> {t_h:.2f} s ({100.0 * (t_h - t_b) / t_b:+.1f}%)" if t_b and t_h else "time -"
-        lines.append(f"{sid}: {mem}, {tim}")
+        _, tim = compare_times(time_figure(base, spreads), time_figure(r, spreads))
+        cost = flush_cost_text(r)
+        lines.append(f"{sid}: {mem}, {tim}" + (f"; {cost}" if cost else ""))
     return lines
 
 
@@ -283,7 +320,8 @@ def session_diff(session: Any) -> Diff | None:
     head = Side("this run")
     base = Side("baselines")
     for r in session.results:
-        head.scenarios[r["scenario_id"]] = {"metrics": r.get("metrics") or {}, "status": r["status"], "env": _env(r)}
+        head.scenarios[r["scenario_id"]] = {"metrics": r.get("metrics") or {}, "status": r["status"], "env": _env(r),
+                                            "result": r}
         b = r.get("budget") or {}
         f = b.get("file")
         if f and Path(f).exists():
@@ -312,6 +350,9 @@ def write_session_outputs(session: Any, report: str | None, bench: str | None) -
     if d is None:
         return
     md = to_markdown(d)
+    advice = [f"- `{r['scenario_id']}`: {r['advice']}" for r in session.results if r.get("advice")]
+    if advice:
+        md += "\n## What to try (rlhfmem advise, from each run's own trace)\n\n" + "\n".join(advice) + "\n"
     if report:
         rp = Path(report)
         rp.parent.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,12 @@ class RankCapture:
                              self.threads, wall)
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
         attach_host(result, rec.host)
+        if self.capture:  # the program's own trace, for `rlhfmem advise` and the flush cost
+            from ..advise import flush_cost
+            from ..memory.trace_io import SUFFIX, save_trace
+
+            result["trace_file"] = str(save_trace(self.out_dir / f"trace-rank{self.rank}{SUFFIX}", trace))
+            result["flush_cost"] = flush_cost(trace, measured_flush_s=rec.flush_times)
         if self.snapshot_dir and self.capture:
             result["snapshot"] = str(_write_snapshot(trace, self.snapshot_dir, self.identity.id, self.rank))
         _write_json(self.out_dir / f"result-rank{self.rank}.json", result)

@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 from . import emulation
 from .host import HostMemory
 from .trace import (
-    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, POOL_ENTER, POOL_EXIT, Event, Trace,
-    trace_from_snapshot,
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, Event,
+    Trace, trace_from_snapshot,
 )
 
 _MARK = "rlhfmem::mark::"
@@ -90,6 +90,7 @@ class Recorder:
     _empty_cache: Callable[[], None] | None = None  # the original torch.cuda.empty_cache while intercepted
     error_phase: str | None = None  # the innermost phase an exception propagated out of
     host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
+    flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,7 +140,7 @@ class Recorder:
         if self.device == "off":
             return
         if self.device == "cuda":
-            if kind in (PHASE, FLUSH):
+            if kind in (PHASE, PHASE_END, FLUSH):
                 self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))
             return
         k = len(self._marks)
@@ -199,6 +200,7 @@ class Recorder:
                 torch.cuda.synchronize()
                 rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
             rec.wall_s += time.perf_counter() - t0
+            self._mark(PHASE_END, name)
             if self.host is not None:
                 self.host.end_phase(name)
             self._stack.pop()
@@ -213,7 +215,11 @@ class Recorder:
         if self.device == "cuda":
             import torch
 
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             (self._empty_cache or torch.cuda.empty_cache)()
+            torch.cuda.synchronize()
+            self.flush_times.append((point, time.perf_counter() - t0))  # measured: the cudaFree calls' cost
         self._mark(FLUSH, point)
 
     @contextlib.contextmanager
@@ -354,7 +360,7 @@ class Recorder:
                     out.append(Event(FREE, ptr, -size, 0, t_us))
                 continue
             mkind, payload = self._marks[a]
-            if mkind in (PHASE, FLUSH):
+            if mkind in (PHASE, PHASE_END, FLUSH):
                 out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
             elif mkind in (POOL_ENTER, POOL_EXIT):
                 out.append(Event(mkind, payload[0], payload[1], 0, t_us))  # type: ignore[index]

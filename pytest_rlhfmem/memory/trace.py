@@ -41,6 +41,7 @@ POOL_ENTER = "pool_enter"
 POOL_EXIT = "pool_exit"
 POOL_RELEASE = "pool_release"
 PHASE = "phase"  # a phase begins (name); the previous one ends
+PHASE_END = "phase_end"  # a phase's code is done (name); what follows until the next PHASE is between phases
 FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which policy point)
 
 # How a trace was obtained: part of every result, budget and report.

@@ -26,6 +26,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     r.add_argument("--cuda-emulation", choices=("on", "off"), default="on",
                    help="CPU runs: emulate CUDA's own allocations in the capture (default on; see docs/fidelity.md)")
+    r.add_argument("--time-rounds", type=int, default=1, metavar="N",
+                   help="run the iteration N times: the time is their median with its spread")
     r.set_defaults(func=_run)
 
 
@@ -40,10 +42,13 @@ def phase_table(result: dict) -> list[str]:
                      str(p["cuda_malloc_count"]), "| " + format_size(p.get("host_peak_rss")),
                      format_size(p.get("host_pinned_peak")), f"{p['wall_s']:.2f} s"))
     m = result["metrics"]
+    from ..timing import time_figure
+
+    tf = time_figure(result)
     rows.append(("iteration", format_size(m["peak_reserved"]), format_size(m["peak_allocated"]),
                  format_size(m["fragmentation_at_peak"]), str(m["cuda_malloc_count"]),
                  "| " + format_size(m.get("host_peak_rss")), format_size(m.get("host_pinned_peak")),
-                 f"{result['iteration_wall_s'] or 0:.2f} s"))
+                 tf.text() if tf else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
 
@@ -63,6 +68,12 @@ def _run(args: argparse.Namespace) -> int:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
         result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir,
                               cuda_emulation=args.cuda_emulation)
+        if args.time_rounds > 1 and result["status"] == "ok":
+            from ..timing import with_rounds
+
+            result = with_rounds(result, [run_scenario(scenario, device=args.device, timeout=args.timeout,
+                                                       cuda_emulation=args.cuda_emulation)
+                                          for _ in range(args.time_rounds - 1)])
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
@@ -72,7 +83,10 @@ def _run(args: argparse.Namespace) -> int:
     print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
           f"pinned: {host.get('pinned_method')}")
     if args.json_out:
+        from ..memory.trace_io import store_beside
+
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        store_beside([result], args.json_out)  # each rank's trace, for rlhfmem advise
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     if result["status"] != "ok":
         from ..results import IterationResult

@@ -1,0 +1,123 @@
+"""Time figures carry their noise (issue 15): the comparison rules, the diff's time row, the session summary
+with the flush's own cost, and a real session under artificial CPU load."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pytest_rlhfmem.report import TIME_METRIC, Side, diff, flush_tradeoffs, to_markdown
+from pytest_rlhfmem.timing import compare_times, rounds_spread, time_figure, with_rounds
+
+pytest_plugins = ["pytester"]
+
+
+def result(sid: str, times: list[float], flush: str = "none", peak: int = 64 << 20, cost: dict | None = None) -> dict:
+    r = {"scenario_id": sid.replace("FLUSH", flush), "status": "ok", "scenario": {"flush": flush},
+         "metrics": {"peak_reserved": peak, "peak_allocated": peak // 2, "fragmentation_at_peak": 0,
+                     "cuda_malloc_count": 3, "alloc_retries": 0},
+         "iteration_wall_s": times[0], "ranks": [{"flush_cost": cost}] if cost else []}
+    return with_rounds(r, [{"status": "ok", "iteration_wall_s": t} for t in times[1:]]) if len(times) > 1 else r
+
+
+SID = "deepspeed-chat/tiny-opt/none/flush-FLUSH/x2"
+
+
+def test_rounds_give_median_and_half_range():
+    assert rounds_spread([10.0, 12.0, 14.0]) == (12.0, pytest.approx(2 / 12))
+    f = time_figure(result(SID, [9.0, 12.0, 10.0]))
+    assert f.seconds == 10.0 and f.noise_rel == pytest.approx(0.15) and f.source == "3 rounds"
+
+
+def test_the_issue_15_line_is_within_noise_when_the_rounds_overlap():
+    base = time_figure(result(SID, [9.33, 30.0, 50.0]))
+    head = time_figure(result(SID, [50.97, 12.0, 20.0], "after-inference"))
+    status, text = compare_times(base, head)
+    assert status == "within-noise" and "within noise (+-" in text and "446" not in text
+
+
+def test_a_change_beyond_both_intervals_is_reported_with_its_noise():
+    status, text = compare_times(time_figure(result(SID, [10.0, 10.2, 9.8])),
+                                 time_figure(result(SID, [20.0, 20.4, 19.6])))
+    assert status == "slower" and "+100.0% (beyond noise +-6%" in text
+
+
+def test_one_round_without_recorded_spread_prints_no_percentage():
+    status, text = compare_times(time_figure(result(SID, [9.33])), time_figure(result(SID, [50.97])))
+    assert status == "unknown" and "%" not in text and "noise unknown" in text and "--rlhfmem-time-rounds" in text
+
+
+def test_recorded_spread_is_used_for_one_round_and_matches_any_flush_policy():
+    spreads = {SID.replace("FLUSH", "none"): {"runs": 5, "spread": 0.5}}
+    f = time_figure(result(SID, [10.0], "after-inference"), spreads)
+    assert f.noise_rel == 0.5 and "recorded spread of 5 runs" in f.source
+
+
+def test_summary_line_has_noise_and_the_flush_cost_from_the_trace():
+    cost = {"flushes": 5, "extra_cuda_malloc": 3, "extra_cuda_free": 3, "bytes_reacquired": 6 << 20,
+            "segments_released": 3, "measured_flush_s": []}
+    lines = flush_tradeoffs([result(SID, [9.33, 30.0]), result(SID, [50.97, 12.0], "after-inference", cost=cost)])
+    assert len(lines) == 1
+    assert "within noise" in lines[0] and "+446" not in lines[0]
+    assert "flush cost (from the trace): 5 flushes, +3 cudaMalloc, +3 cudaFree, 6.00 MiB re-acquired" in lines[0]
+
+
+def test_diff_time_regression_must_beat_the_noise_floor():
+    def side(label, times):
+        s = Side(label)
+        r = result(SID.replace("FLUSH", "none"), times)
+        s.scenarios[r["scenario_id"]] = {"metrics": r["metrics"], "status": "ok", "env": {}, "result": r}
+        return s
+
+    noisy = diff(side("a", [10.0, 14.0, 6.0]), side("b", [16.0, 20.0, 12.0]))
+    row = next(r for r in noisy.rows if r.metric == TIME_METRIC)
+    assert row.status == "unchanged" and "within noise" in row.note
+    assert "within noise" in to_markdown(noisy)
+    clear = diff(side("a", [10.0, 10.1, 9.9]), side("b", [16.0, 16.1, 15.9]))
+    row = next(r for r in clear.rows if r.metric == TIME_METRIC)
+    assert row.status == "regressed" and "beyond noise" in row.note
+    one = diff(side("a", [10.0]), side("b", [16.0]))
+    row = next(r for r in one.rows if r.metric == TIME_METRIC)
+    assert row.status == "unchanged" and "noise unknown" in row.note
+
+
+LOAD = """
+import sys, time
+end = time.time() + float(sys.argv[1])
+while time.time() < end:                 # 1.5 s of busy loop, 1.5 s idle: load that comes and goes
+    t = time.time() + 1.5
+    while time.time() < t:
+        pass
+    time.sleep(1.5)
+"""
+
+SAME_PROGRAM = """
+import pytest
+
+@pytest.mark.parametrize("flush", ["none", "after-inference"])
+def test_step(ppo_iteration, flush):
+    ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none", flush=flush, world_size=1,
+                  device="cpu")
+"""
+
+
+def test_same_program_twice_under_cpu_load_is_within_noise(pytester):
+    """On CPU a flush policy only adds FLUSH marks to the trace: flush-none and flush-after-inference run
+    the same program. Under load that comes and goes, their times differ; the summary must call that noise."""
+    pytester.makepyfile(test_same=SAME_PROGRAM)
+    loads = [subprocess.Popen([sys.executable, "-c", LOAD, "900"]) for _ in range(2)]
+    try:
+        t0 = time.time()
+        r = pytester.runpytest_subprocess("--rlhfmem-time-rounds", "3", "--rlhfmem-json", "s.json")
+    finally:
+        for p in loads:
+            p.kill()
+            p.wait()
+    r.assert_outcomes(passed=2)
+    line = next(x for x in r.outlines if x.strip().startswith("deepspeed-chat/tiny-opt/none/flush-after-inference"))
+    assert "within noise (+-" in line, line
+    assert "flush cost (from the trace): 5 flushes" in line
+    data = json.loads((pytester.path / "s.json").read_text())
+    assert all(len(x["time_rounds"]) == 3 for x in data["results"]), time.time() - t0

@@ -56,7 +56,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
     """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
     memory_stats) and assemble this rank's result."""
     from ..memory.replay import ANCHORED, FREE_RUNNING, replay
-    from ..memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA
+    from ..memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
 
     is_cuda = trace.capture == CAPTURE_CUDA
     result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
@@ -86,7 +86,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "device": device,
         "capture": trace.capture,
         "capture_backend": rec.backend,
-        "simulated": trace.capture == CAPTURE_CPU_SIMULATED,
+        "simulated": trace.capture in SIMULATED_CAPTURES,
         "status": "failed" if error else "ok",
         "error": error,
         "versions": versions(),

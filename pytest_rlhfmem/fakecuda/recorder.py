@@ -277,6 +277,10 @@ class _RecordingMode(TorchDispatchMode):
             return self.rec.answer(func, args[0])
         if func is aten.record_stream.default:
             return None
+        if func is aten._pin_memory.default:  # NYI in FakeTensorMode: a host copy, outside the device trace
+            return aten.empty_like.default(args[0])
+        if func is aten.is_pinned.default:
+            return False
         if func in CUBLAS_OPS and any(isinstance(a, torch.Tensor) and a.device.type == "cuda" for a in args):
             self.rec.cublas_call()
         out = func(*args, **kwargs)

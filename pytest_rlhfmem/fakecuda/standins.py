@@ -173,6 +173,26 @@ def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
 _ORIG: dict[str, Any] = {}
 
 
+def _patch_fake_data_setter() -> None:
+    """``t.data = new`` across devices (DeepSpeed moves parameters this way, e.g. ZeRO-3's
+    ``_convert_to_zero_parameters``) swaps the storage and dispatch keys but leaves a FakeTensor's
+    Python-level ``fake_device`` behind: make it follow the new data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    base = torch._C.TensorBase.data
+
+    def get(self):
+        return base.__get__(self)
+
+    def set_(self, new):
+        base.__set__(self, new)
+        dev = getattr(new, "fake_device", None)
+        if dev is not None and dev != self.fake_device:
+            self.fake_device = dev
+
+    FakeTensor.data = property(get, set_)  # type: ignore[assignment]
+
+
 def _patch_generation() -> None:
     from transformers.generation.utils import GenerationMixin
 
@@ -228,6 +248,8 @@ def install(recorder: FakeCudaRecorder) -> list[str]:
     cuda.nvtx.range_pop = _const(0)  # type: ignore[assignment]
     torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
     names.append("Tensor.record_stream: no-op")
+    _patch_fake_data_setter()
+    names.append("FakeTensor.data setter: fake_device follows the new data")
     _ORIG["swap_tensors"] = torch.utils.swap_tensors
     torch.utils.swap_tensors = _swap_tensors
     names.append("torch.utils.swap_tensors: .data assignment for fake parameters")

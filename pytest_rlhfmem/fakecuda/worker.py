@@ -29,11 +29,20 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pytest_rlhfmem.fakecuda.worker")
     ap.add_argument("--scenario", required=True, help="scenario JSON")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--out", required=True, help="result JSON path")
+    ap.add_argument("--without-flush-out", default=None,
+                    help="also write the result of the same trace replayed without its FLUSH events (the "
+                         "scenario with flush 'none'): a fake run's allocations do not depend on the flushes")
     args = ap.parse_args(argv)
 
     from . import native
@@ -96,10 +105,19 @@ def main(argv: list[str] | None = None) -> int:
         "replay_s": round(time.perf_counter() - t0 - wall, 3),
         "host_rss_peak": _rss_peak_bytes(),
     })
-    out = Path(args.out)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
+    extra = {k: result[k] for k in ("route", "simulated", "adjustments", "scalar_answers", "placement", "standins",
+                                    "startup_s", "host_rss_peak")}
+    _write(Path(args.out), result)
+    if args.without_flush_out:
+        from ..memory.trace import FLUSH, Trace
+
+        plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
+        t1 = time.perf_counter()
+        trace = Trace(events=[e for e in trace.events if e.action != FLUSH], capture=trace.capture, source=trace.source)
+        other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
+        other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
+                     derived_from=f"{scenario.id}: same trace, FLUSH events removed")
+        _write(Path(args.without_flush_out), other)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if error else 0)  # skip teardown of DeepSpeed/fake-mode state: the result is written

@@ -31,7 +31,9 @@ def convert_to_lora(model: torch.nn.Module, pair: ModelPair, dim: int, only_opti
 
     cfg = LoraConfig(r=dim, lora_alpha=1, lora_dropout=0.0, target_modules=list(pair.lora_targets),
                      fan_in_fan_out=pair.actor.family == "gpt2", bias="none")
-    model = get_peft_model(model, cfg)
+    # adapters in the base layers' dtype (fp16/bf16 runs): DeepSpeed casts every parameter to it, except
+    # under ZeRO-3's zero.Init, where mixed dtypes in one parameter group fail (``zero/utils.py: defragment``)
+    model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
     if not only_optimize_lora:
         for name, p in model.named_parameters():
             if "lora_" not in name and not name.endswith("base_layer.weight"):

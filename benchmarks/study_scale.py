@@ -1,0 +1,107 @@
+"""The study's DeepSpeed-Chat Table 1 at the study's scale, without a GPU (fake-CUDA route, simulated).
+
+OPT-1.3b actor/reference + OPT-350m critic/reward, LoRA dim 128, batch 2, prompt 256 + answer 256, fp16,
+4 ranks (rank 0 simulated on a fake process group), strategies none / ZeRO-2 / ZeRO-3 / ZeRO-3 + offload
+/ all, each with flush none and after-inference. Each strategy runs ONCE with the after-inference flush
+marks; the flush-none figures replay the same trace without them (a fake run's allocations do not depend
+on the allocator). Prints the Table-1-shaped result beside Zhou et al.'s numbers, with wall time, route
+and the phase of each peak, and writes every result JSON to --out.
+
+    PYTHONPATH=. python benchmarks/study_scale.py [--strategies none,zero2] [--out DIR] [--jobs 2]
+
+Figures are simulated (allocator model replaying a fake-CUDA trace), in GiB (2**30 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pytest_rlhfmem.fakecuda.run import FakeCudaRunError, run_fake_cuda  # noqa: E402
+from pytest_rlhfmem.rlhf.scenario import Scenario  # noqa: E402
+
+# Zhou et al., Table 1, DeepSpeed-Chat OPT (GB): reserved, frag, allocated -> reserved, frag with empty_cache
+STUDY = {
+    "none": (18.8, 0.2, 18.2, 19.4, 0.1),
+    "zero2": (14.5, 0.6, 12.8, 14.3, 0.1),
+    "zero3": (17.3, 3.7, 12.0, 13.7, 0.3),
+    "zero3-offload": (15.4, 4.0, 9.8, 11.7, 0.3),
+    "all": (11.8, 6.2, 5.4, 5.9, 0.1),
+}
+GIB = 2**30
+
+
+def study_scenario(strategy: str, flush: str, models: str = "opt-1.3b", overrides: dict | None = None) -> Scenario:
+    return Scenario("deepspeed-chat", models, strategy, flush, 4, dict(overrides or {}))
+
+
+def run_strategy(strategy: str, out: Path, models: str, overrides: dict, timeout: float) -> dict[str, dict]:
+    sc = study_scenario(strategy, "after-inference", models, overrides)
+    try:
+        return run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout)
+    except FakeCudaRunError as exc:
+        return {sc.id: {"status": "failed", "error": {"message": str(exc)[-2000:]}}}
+
+
+def table(results: dict[str, dict], strategies: list[str], models: str, overrides: dict) -> str:
+    def g(x: float | None) -> str:
+        return "-" if x is None else f"{x / GIB:.1f}"
+
+    rows = ["| strategy | reserved | frag. | allocated | peak phase | reserved, flush | frag., flush | "
+            "peak phase, flush | study (GB) | wall s | route |", "|" + "---|" * 11]
+    for s in strategies:
+        a = results.get(study_scenario(s, "none", models, overrides).id, {})
+        b = results.get(study_scenario(s, "after-inference", models, overrides).id, {})
+        st = STUDY.get(s)
+        study = f"{st[0]}/{st[1]}/{st[2]} -> {st[3]}/{st[4]}" if st else "-"
+        if a.get("status") != "ok" or b.get("status") != "ok":
+            err = (b.get("error") or a.get("error") or {}).get("message", "no result")
+            rows.append(f"| {s} | failed: {err.splitlines()[0][:80] if err else ''} |||||||| {study} | - | fake-cuda |")
+            continue
+        ta, tb = a["total"], b["total"]
+        rows.append(f"| {s} | {g(ta['peak_reserved'])} | {g(ta['fragmentation_at_peak'])} | {g(ta['peak_allocated'])} "
+                    f"| {a['peak_phase']} | {g(tb['peak_reserved'])} | {g(tb['fragmentation_at_peak'])} "
+                    f"| {b['peak_phase']} | {study} | {b['process_wall_s']:.0f} | fake-cuda |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="study_scale.py")
+    ap.add_argument("--strategies", default=",".join(STUDY))
+    ap.add_argument("--models", default="opt-1.3b")
+    ap.add_argument("--overrides", default="{}", help="scenario overrides JSON (e.g. a smaller answer_len)")
+    ap.add_argument("--out", default="study-scale-results")
+    ap.add_argument("--jobs", type=int, default=1, help="strategies run at once (each uses one core)")
+    ap.add_argument("--timeout", type=float, default=7200.0)
+    args = ap.parse_args(argv)
+    strategies = [s for s in args.strategies.split(",") if s]
+    unknown = [s for s in strategies if s not in STUDY]
+    if unknown:
+        print(f"rlhfmem: error: --strategies: unknown {', '.join(unknown)}; valid: {', '.join(STUDY)}", file=sys.stderr)
+        return 2
+    overrides = json.loads(args.overrides)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results: dict[str, dict] = {}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout), strategies):
+            results.update(res)
+    (out / "summary.json").write_text(json.dumps(
+        {k: {kk: v.get(kk) for kk in ("status", "total", "peak_phase", "phases", "process_wall_s", "host_rss_peak",
+                                      "adjustments", "placement", "recipe")} for k, v in results.items()}, indent=1))
+    print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}: SIMULATED "
+          "(fake-CUDA trace replayed through the allocator model), GiB")
+    print(table(results, strategies, args.models, overrides))
+    print(f"total wall {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

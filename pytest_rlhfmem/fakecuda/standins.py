@@ -218,8 +218,9 @@ def _patch_generation() -> None:
     GenerationMixin._has_unfinished_sequences = has_unfinished
 
 
-def install(recorder: FakeCudaRecorder) -> list[str]:
-    """Install every stand-in; returns their names (recorded in the result)."""
+def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
+    """Install every stand-in (torch's and transformers'; DeepSpeed's too unless ``deepspeed`` is False);
+    returns their names (recorded in the result)."""
     global _RECORDER
     _RECORDER = recorder
     names: list[str] = []
@@ -255,6 +256,8 @@ def install(recorder: FakeCudaRecorder) -> list[str]:
     names.append("torch.utils.swap_tensors: .data assignment for fake parameters")
     _patch_generation()
     names.append("generate: stops after max_new_tokens steps")
+    if not deepspeed:
+        return names
 
     from deepspeed.accelerator import get_accelerator
 

@@ -67,8 +67,28 @@ def table(results: dict[str, dict], strategies: list[str], models: str, override
         ta, tb = a["total"], b["total"]
         rows.append(f"| {s} | {g(ta['peak_reserved'])} | {g(ta['fragmentation_at_peak'])} | {g(ta['peak_allocated'])} "
                     f"| {a['peak_phase']} | {g(tb['peak_reserved'])} | {g(tb['fragmentation_at_peak'])} "
-                    f"| {b['peak_phase']} | {study} | {b['process_wall_s']:.0f} | fake-cuda |")
+                    f"| {b['peak_phase']} | {study} | {b.get('process_wall_s', b.get('wall_s', 0)):.0f} | fake-cuda |")
     return "\n".join(rows)
+
+
+def phase_table(results: dict[str, dict], strategies: list[str], models: str, overrides: dict) -> str:
+    """Per phase: peak reserved / peak allocated (GiB) for each strategy and flush policy, and the
+    process cost (wall time, host RSS peak)."""
+    rows = []
+    for s in strategies:
+        for flush in ("none", "after-inference"):
+            r = results.get(study_scenario(s, flush, models, overrides).id)
+            if not r or r.get("status") != "ok":
+                continue
+            cells = " ".join(f"{p['phase']}={p['peak_reserved'] / GIB:.2f}/{p['peak_allocated'] / GIB:.2f}"
+                             for p in r["phases"])
+            rows.append(f"{s:14s} flush-{flush:16s} {cells}")
+        r = results.get(study_scenario(s, "after-inference", models, overrides).id)
+        if r and r.get("status") == "ok":
+            walls = " ".join(f"{p['phase']}={p['wall_s']:.0f}s" for p in r["phases"])
+            rows.append(f"{s:14s} cost: process {r.get('process_wall_s', 0):.0f} s, host RSS peak "
+                        f"{r.get('host_rss_peak', 0) / GIB:.2f} GiB; {walls}")
+    return "per phase, peak reserved/allocated GiB:\n" + "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="study-scale-results")
     ap.add_argument("--jobs", type=int, default=1, help="strategies run at once (each uses one core)")
     ap.add_argument("--timeout", type=float, default=7200.0)
+    ap.add_argument("--from", dest="from_dirs", default=None,
+                    help="comma-separated result directories of earlier runs: print their table, run nothing")
     args = ap.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = [s for s in strategies if s not in STUDY]
@@ -90,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results: dict[str, dict] = {}
+    if args.from_dirs:
+        for d in args.from_dirs.split(","):
+            for f in sorted(Path(d).glob("deepspeed-chat__*.json")):
+                r = json.loads(f.read_text())
+                results[r.get("scenario_id", f.stem)] = r
+        print(table(results, strategies, args.models, overrides))
+        print(phase_table(results, strategies, args.models, overrides))
+        return 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout), strategies):
             results.update(res)
@@ -99,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}: SIMULATED "
           "(fake-CUDA trace replayed through the allocator model), GiB")
     print(table(results, strategies, args.models, overrides))
+    print(phase_table(results, strategies, args.models, overrides))
     print(f"total wall {time.perf_counter() - t0:.0f} s")
     return 0
 

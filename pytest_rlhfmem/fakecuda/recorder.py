@@ -83,12 +83,14 @@ def _answer_kind(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point or dtype.is_complex else "int"
 
 
-def _caller() -> str:
-    """``file:line`` of the innermost frame outside torch: where a Python branch asked for a value."""
+def _caller(skip_libs: tuple[str, ...] = ()) -> str:
+    """``file:line`` of the innermost frame outside torch (and outside ``skip_libs`` path fragments):
+    where a Python branch asked for a value, or where a tensor was made."""
     f = sys._getframe(2)
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(__file__)
-    while f is not None and (f.f_code.co_filename.startswith(torch_dir) or f.f_code.co_filename.startswith(here)):
+    while f is not None and (f.f_code.co_filename.startswith(torch_dir) or f.f_code.co_filename.startswith(here)
+                             or any(s in f.f_code.co_filename for s in skip_libs)):
         f = f.f_back
     if f is None:
         return "?"
@@ -127,6 +129,8 @@ class FakeCudaRecorder:
     placement: dict[str, int] = field(default_factory=lambda: {"annotated_host_bytes_on_cpu": 0,
                                                                "annotated_host_bytes_on_cuda": 0})
     on_phase: object = None
+    site_min_bytes: int = 1 << 20  # allocations this large keep their Python call site (``sites``)
+    sites: dict[int, str] = field(default_factory=dict)  # address -> "file:line" of the allocating code
     _storages: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _next_addr: int = 1 << 20
     _mode: TorchDispatchMode | None = None
@@ -197,8 +201,38 @@ class FakeCudaRecorder:
                 cell[0], cell[1] = (self._alloc(size, self.current_stream) if size else 0), size
             return
         cell = [self._alloc(size, self.current_stream) if size else 0, size, self.current_stream]
+        if size >= self.site_min_bytes:
+            self.sites[cell[0]] = _caller(skip_libs=("torch/", "transformers/modeling_utils.py"))
         self._storages[st] = cell
         weakref.finalize(st, self._free, cell)
+
+    def live_by_site(self, top: int = 12) -> dict[str, list]:
+        """At each phase end: the largest groups of live allocations (>= ``site_min_bytes``) by call site,
+        ``[site, bytes, count]``, largest first. What holds the memory when a phase ends."""
+        live: dict[int, int] = {}
+        out: dict[str, list] = {}
+        phase = None
+
+        def summary() -> list:
+            groups: dict[str, list] = {}
+            for addr, size in live.items():
+                g = groups.setdefault(self.sites.get(addr, "?"), [0, 0])
+                g[0] += size
+                g[1] += 1
+            return [[k, v[0], v[1]] for k, v in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]]
+
+        for e in self.events:
+            if e.action == ALLOC and e.addr in self.sites:
+                live[e.addr] = e.size
+            elif e.action == FREE:
+                live.pop(e.addr, None)
+            elif e.action == PHASE:
+                if phase is not None:
+                    out[phase] = summary()
+                phase = e.name
+        if phase is not None:
+            out[phase] = summary()
+        return out
 
     def cublas_call(self) -> None:
         key = (threading.get_ident(), self.current_stream)

@@ -269,13 +269,18 @@ def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
     acc.available_memory = lambda device_index=None: 24 * 2**30
     acc.total_memory = lambda device_index=None: 24 * 2**30
     names.append("deepspeed accelerator: is_available, memory (its Stream/Event are torch.cuda's stand-ins)")
-    for mod_name in ("deepspeed.ops.adam", "deepspeed.ops.adam.fused_adam", "deepspeed.ops.adam.cpu_adam"):
-        __import__(mod_name)
-        mod = sys.modules[mod_name]
-        if hasattr(mod, "FusedAdam"):
-            mod.FusedAdam = FusedAdam
-        if hasattr(mod, "DeepSpeedCPUAdam"):
-            mod.DeepSpeedCPUAdam = DeepSpeedCPUAdam
+    import deepspeed.ops.adam as ds_adam
+    import deepspeed.runtime.engine  # noqa: F401 - imports (and binds) the optimizer classes first
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+
+    # every module that bound the real classes at import (engine.py's fp16 path picks FP16_Optimizer,
+    # the flattened one, only for an ``isinstance(optimizer, FusedAdam)``)
+    real = {ds_adam.FusedAdam: FusedAdam, ds_adam.DeepSpeedCPUAdam: DeepSpeedCPUAdam}
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("deepspeed"):
+            for attr in ("FusedAdam", "DeepSpeedCPUAdam"):
+                if getattr(mod, attr, None) in real:
+                    setattr(mod, attr, real[getattr(mod, attr)])
     names.append("FusedAdam -> torch AdamW(fused=True); DeepSpeedCPUAdam -> torch AdamW on host")
     import deepspeed.runtime.zero.utils as zutils
 

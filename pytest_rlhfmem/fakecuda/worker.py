@@ -100,12 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         "adjustments": rec.adjustments,
         "scalar_answers": rec.scalar_answers,
         "placement": rec.placement,
+        "live_by_site_at_phase_end": rec.live_by_site(),
         "standins": names,
         "startup_s": round(startup_s, 3),
         "replay_s": round(time.perf_counter() - t0 - wall, 3),
         "host_rss_peak": _rss_peak_bytes(),
     })
     extra = {k: result[k] for k in ("route", "simulated", "adjustments", "scalar_answers", "placement", "standins",
+                                    "live_by_site_at_phase_end",
                                     "startup_s", "host_rss_peak")}
     _write(Path(args.out), result)
     if args.without_flush_out:

@@ -91,6 +91,38 @@ def phase_table(results: dict[str, dict], strategies: list[str], models: str, ov
     return "per phase, peak reserved/allocated GiB:\n" + "\n".join(rows)
 
 
+def findings(results: dict[str, dict], models: str, overrides: dict) -> str:
+    """The study's three DeepSpeed-Chat findings, each checked on the simulated figures (reported, never
+    used to tune anything)."""
+    def get(s: str, flush: str) -> dict | None:
+        r = results.get(study_scenario(s, flush, models, overrides).id)
+        return r["total"] | {"peak_phase": r["peak_phase"]} if r and r.get("status") == "ok" else None
+
+    lines = []
+    z2, z3 = get("zero2", "none"), get("zero3", "none")
+    if z2 and z3:
+        ok = z3["peak_reserved"] > z2["peak_reserved"] and z3["peak_allocated"] < z2["peak_allocated"]
+        lines.append(f"1. ZeRO-3 reserves more than ZeRO-2 while allocating less: {'REPRODUCED' if ok else 'NOT reproduced'}"
+                     f" (reserved {z3['peak_reserved'] / GIB:.2f} vs {z2['peak_reserved'] / GIB:.2f} GiB, allocated "
+                     f"{z3['peak_allocated'] / GIB:.2f} vs {z2['peak_allocated'] / GIB:.2f} GiB; peaks in "
+                     f"{z3['peak_phase']} / {z2['peak_phase']})")
+    for s in ("zero3", "zero3-offload", "all"):
+        a, b = get(s, "none"), get(s, "after-inference")
+        if a and b:
+            cut = 1 - b["peak_reserved"] / a["peak_reserved"]
+            frag = b["fragmentation_at_peak"] or 0
+            ok = cut >= 0.2 and frag < 0.5e9
+            lines.append(f"2. flush after inference cuts {s} by a fifth or more, frag. < 0.5 GB: "
+                         f"{'REPRODUCED' if ok else 'NOT reproduced'} (cut {cut:+.1%}, frag. {frag / GIB:.2f} GiB; "
+                         f"peak phase {a['peak_phase']} -> {b['peak_phase']})")
+    a, b = get("none", "none"), get("none", "after-inference")
+    if a and b:
+        d = b["peak_reserved"] / a["peak_reserved"] - 1
+        lines.append(f"3. none rises slightly with the flush: {'REPRODUCED' if 0 < d < 0.1 else 'NOT reproduced'} "
+                     f"({d:+.1%}; peak phase {a['peak_phase']} -> {b['peak_phase']})")
+    return "findings (simulated):\n" + "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="study_scale.py")
     ap.add_argument("--strategies", default=",".join(STUDY))
@@ -119,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[r.get("scenario_id", f.stem)] = r
         print(table(results, strategies, args.models, overrides))
         print(phase_table(results, strategies, args.models, overrides))
+        print(findings(results, args.models, overrides))
         return 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout), strategies):
@@ -130,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
           "(fake-CUDA trace replayed through the allocator model), GiB")
     print(table(results, strategies, args.models, overrides))
     print(phase_table(results, strategies, args.models, overrides))
+    print(findings(results, args.models, overrides))
     print(f"total wall {time.perf_counter() - t0:.0f} s")
     return 0
 

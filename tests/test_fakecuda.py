@@ -36,7 +36,7 @@ def test_scalar_answers_take_the_normal_path():
 
 def _selfcheck(route: str) -> tuple[list, int]:
     proc = subprocess.run([sys.executable, "-m", "pytest_rlhfmem.fakecuda.selfcheck", route], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events, workspaces = json.loads(proc.stdout.strip().splitlines()[-1])
     return events, workspaces

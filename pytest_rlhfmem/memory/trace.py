@@ -47,6 +47,8 @@ FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which polic
 # How a trace was obtained: part of every result, budget and report.
 CAPTURE_CUDA = "cuda-memory-history"
 CAPTURE_CPU_SIMULATED = "cpu-trace-simulated"
+CAPTURE_FAKE_CUDA_SIMULATED = "fake-cuda-simulated"  # fake CUDA tensors recorded at the dispatcher (fakecuda/)
+SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED)
 CAPTURE_SYNTHETIC = "synthetic"
 
 

@@ -41,7 +41,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
     """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
     memory_stats) and assemble this rank's result."""
     from ..memory.replay import ANCHORED, FREE_RUNNING, replay
-    from ..memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA
+    from ..memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
 
     is_cuda = trace.capture == CAPTURE_CUDA
     result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
@@ -71,9 +71,10 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "device": device,
         "capture": trace.capture,
         "capture_backend": rec.backend,
-        "capture_description": rec.capture_description(),
-        "cuda_emulation_report": rec.emulation_report.to_dict() if rec.emulation_report else None,
-        "simulated": trace.capture == CAPTURE_CPU_SIMULATED,
+        # what the capture emulated (a Recorder's CUDA emulation; other recorders describe themselves or nothing)
+        "capture_description": rec.capture_description() if hasattr(rec, "capture_description") else {},
+        "cuda_emulation_report": report.to_dict() if (report := getattr(rec, "emulation_report", None)) else None,
+        "simulated": trace.capture in SIMULATED_CAPTURES,
         "status": "failed" if error else "ok",
         "error": error,
         "versions": versions(),

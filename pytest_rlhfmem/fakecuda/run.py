@@ -1,0 +1,68 @@
+"""Start one fake-CUDA rank (``worker.py``) in a fresh process and read its result(s).
+
+The worker must be a fresh interpreter: the fake CUDA hooks are loaded before ``import torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..rlhf.scenario import Scenario
+
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+class FakeCudaRunError(RuntimeError):
+    """The worker died without a result (crash, timeout); the message has its last output."""
+
+
+def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S,
+                  work_dir: str | Path | None = None, without_flush: bool = False) -> dict[str, dict]:
+    """Run ``scenario`` (deepspeed-chat) as rank ``rank`` on the fake-CUDA route.
+
+    Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
+    without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
+    is a result with ``status: failed``; a worker that dies or exceeds ``timeout`` seconds raises
+    :class:`FakeCudaRunError` (its process group is killed first).
+    """
+    work = Path(work_dir or tempfile.mkdtemp(prefix="rlhfmem-fakecuda-"))
+    work.mkdir(parents=True, exist_ok=True)
+    name = scenario.id.replace("/", "__")
+    out = work / f"{name}.json"
+    cmd = [sys.executable, "-m", "pytest_rlhfmem.fakecuda.worker", "--scenario", json.dumps(scenario.to_dict()),
+           "--rank", str(rank), "--out", str(out)]
+    plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
+    plain_out = work / f"{plain.id.replace('/', '__')}.json"
+    if without_flush and plain.id != scenario.id:
+        cmd += ["--without-flush-out", str(plain_out)]
+    env = dict(os.environ, DS_ACCELERATOR="cuda", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_NUM_THREADS=str(scenario.get("threads", 1)), PYTHONUNBUFFERED="1")
+    log = work / f"{name}.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise FakeCudaRunError(f"{scenario.id}: timed out after {timeout:.0f} s; log {log}") from None
+    wall = time.perf_counter() - t0
+    if not out.exists():
+        tail = log.read_text(errors="replace")[-3000:]
+        raise FakeCudaRunError(f"{scenario.id}: worker exited {proc.returncode} without a result; log {log}:\n{tail}")
+    results = {}
+    for sid, path in ((scenario.id, out), (plain.id, plain_out)):
+        if path.exists() and (path == out or without_flush):
+            r = json.loads(path.read_text())
+            r["process_wall_s"] = round(wall, 3)  # the whole worker process: startup, run, replays
+            path.write_text(json.dumps(r, indent=1))
+            results[sid] = r
+    return results

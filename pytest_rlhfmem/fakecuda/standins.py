@@ -1,0 +1,295 @@
+"""Stand-ins for what a CPU-only torch lacks on DeepSpeed's CUDA code paths (``DS_ACCELERATOR=cuda``).
+
+Each entry of :func:`install` replaces one function with a no-op or a bookkeeping equivalent; none of
+them allocates device memory on a GPU either (streams, events, NVTX, device selection, memory
+statistics), except where said. Installed once per worker process, after ``import torch`` and before
+``import deepspeed`` creates its accelerator. ``torch.cuda.is_available()`` stays False on purpose:
+making it True sends real (non-fake) tensor creation to the missing CUDA backend; only DeepSpeed's
+accelerator says it is available.
+
+Stand-ins with a memory consequence (stated in every result's ``standins``):
+
+- ``FusedAdam`` -> ``torch.optim.AdamW(fused=True)``: DeepSpeed's FusedAdam needs a CUDA build; both
+  keep two fp32 states per parameter and allocate them at the first step.
+- ``DeepSpeedCPUAdam`` -> ``torch.optim.AdamW(foreach=False)``: its states live on the host (``cpu``
+  fake tensors), outside the device trace, as DeepSpeedCPUAdam's are.
+- ``Tensor.record_stream``: a no-op; the caching allocator's delayed reuse of blocks used on another
+  stream is not modelled.
+- generation stops by length: ``GenerationMixin._has_unfinished_sequences`` runs as usual (the ZeRO-3
+  flag all-reduce included) but answers "unfinished" exactly ``max_new_tokens`` times, as a run with
+  ``min_new_tokens == max_new_tokens`` does.
+- ZeRO-3's ``assert_ints_same_as_other_ranks`` is skipped: it compares ``.item()`` values broadcast
+  over the (fake) process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import sys
+from typing import Any
+
+import torch
+
+from .recorder import FakeCudaRecorder
+
+_RECORDER: FakeCudaRecorder | None = None
+_stream_ids = itertools.count(1)
+
+
+class FakeStream:
+    """A CUDA stream stand-in: an id that the recorder attaches to allocations made under it."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.stream_id = next(_stream_ids)
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> FakeEvent:
+        return event if event is not None else FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FakeStream) and other.stream_id == self.stream_id
+
+    def __hash__(self) -> int:
+        return hash(("FakeStream", self.stream_id))
+
+    def __repr__(self) -> str:
+        return f"FakeStream(id={self.stream_id})"
+
+
+class _DefaultStream(FakeStream):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stream_id = 0
+
+
+DEFAULT_STREAM = _DefaultStream()
+_streams: dict[int, FakeStream] = {0: DEFAULT_STREAM}
+
+
+class FakeEvent:
+    """A CUDA event stand-in: records and waits are no-ops; elapsed time is 0."""
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+@contextlib.contextmanager
+def stream_context(stream: Any):
+    """``torch.cuda.stream(s)``: allocations inside are made on ``s``'s pool."""
+    if stream is None or _RECORDER is None:
+        yield
+        return
+    _streams[stream.stream_id] = stream
+    with _RECORDER.stream(stream.stream_id):
+        yield
+
+
+def current_stream(device: Any = None) -> FakeStream:
+    sid = _RECORDER.current_stream if _RECORDER is not None else 0
+    return _streams.get(sid, DEFAULT_STREAM)
+
+
+def _const(value: Any):
+    """A fresh function returning ``value`` (a distinct object per name: torch._dynamo's rule map refuses
+    one function registered under two torch names)."""
+    def const(*_: Any, **__: Any) -> Any:
+        return value
+    return const
+
+
+_noop = _const(None)
+_zero = _const(0)
+
+
+class FusedAdam(torch.optim.AdamW):
+    """Stand-in for ``deepspeed.ops.adam.FusedAdam`` (CUDA build only): torch's fused AdamW, betas and
+    eps as given, the same two states per parameter."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
+                 eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+                 set_grad_none: bool = True) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
+
+
+class DeepSpeedCPUAdam(torch.optim.AdamW):
+    """Stand-in for ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (a C++ kernel on host memory): torch's AdamW on
+    the host partitions, states in host memory."""
+
+    def __init__(self, model_params: Any, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
+                 fp32_optimizer_states: bool = True) -> None:
+        super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+
+    def step(self, closure: Any = None, fp16_param_groups: Any = None):  # DeepSpeed passes fp16 groups
+        return super().step(closure)
+
+
+def _fake_rng_state(*_: Any, **__: Any) -> torch.Tensor:
+    return torch.zeros(16, dtype=torch.uint8, device="cpu")  # host tensor, as the CUDA one is
+
+
+def _swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``Module._apply`` swaps FakeTensor parameters, which fails while the fake mode holds weak
+    references to them. A ``.data`` assignment keeps the parameter object (optimizers hold it), as
+    ``_apply`` does for real tensors; the fake device follows the new data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor):
+        t1.data = t2.data
+        t1.fake_device = t2.fake_device
+        return None
+    return _ORIG["swap_tensors"](t1, t2)
+
+
+_ORIG: dict[str, Any] = {}
+
+
+def _patch_fake_data_setter() -> None:
+    """``t.data = new`` across devices (DeepSpeed moves parameters this way, e.g. ZeRO-3's
+    ``_convert_to_zero_parameters``) swaps the storage and dispatch keys but leaves a FakeTensor's
+    Python-level ``fake_device`` behind: make it follow the new data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    base = torch._C.TensorBase.data
+
+    def get(self):
+        return base.__get__(self)
+
+    def set_(self, new):
+        base.__set__(self, new)
+        dev = getattr(new, "fake_device", None)
+        if dev is not None and dev != self.fake_device:
+            self.fake_device = dev
+
+    FakeTensor.data = property(get, set_)  # type: ignore[assignment]
+
+
+def _patch_generation() -> None:
+    from transformers.generation.utils import GenerationMixin
+
+    orig_generate = GenerationMixin.generate
+    orig_unfinished = GenerationMixin._has_unfinished_sequences
+
+    def generate(self, *args: Any, **kwargs: Any):
+        self._rlhfmem_steps_left = kwargs.get("max_new_tokens")
+        try:
+            return orig_generate(self, *args, **kwargs)
+        finally:
+            self._rlhfmem_steps_left = None
+
+    def has_unfinished(self, this_peer_finished: bool, synced_gpus: bool, device: Any) -> bool:
+        orig_unfinished(self, this_peer_finished, synced_gpus, device)  # its all-reduce, as on a GPU
+        left = getattr(self, "_rlhfmem_steps_left", None)
+        if left is None:
+            raise RuntimeError("fake-CUDA route: generate() needs max_new_tokens (generation stops by length)")
+        self._rlhfmem_steps_left = left - 1
+        return left > 0
+
+    GenerationMixin.generate = generate
+    GenerationMixin._has_unfinished_sequences = has_unfinished
+
+
+def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
+    """Install every stand-in (torch's and transformers'; DeepSpeed's too unless ``deepspeed`` is False);
+    returns their names (recorded in the result)."""
+    global _RECORDER
+    _RECORDER = recorder
+    names: list[str] = []
+    cuda = torch.cuda
+    replacements = {
+        "set_device": _noop, "current_device": _zero, "device_count": lambda: 8, "synchronize": _noop,
+        "Stream": FakeStream, "Event": FakeEvent, "stream": stream_context, "current_stream": current_stream,
+        "default_stream": lambda device=None: DEFAULT_STREAM, "empty_cache": _noop,
+        "memory_allocated": _zero, "max_memory_allocated": _zero, "memory_reserved": _zero,
+        "max_memory_reserved": _zero, "memory_cached": _zero, "max_memory_cached": _zero,
+        "reset_peak_memory_stats": _noop, "reset_max_memory_allocated": _noop, "reset_max_memory_cached": _noop,
+        "memory_stats": lambda device=None: {}, "get_rng_state": _fake_rng_state, "set_rng_state": _noop,
+        "get_rng_state_all": lambda: [_fake_rng_state()], "set_rng_state_all": _noop,
+        "manual_seed": _noop, "manual_seed_all": _noop, "is_bf16_supported": lambda *a, **k: True,
+        "get_device_capability": lambda device=None: (8, 6), "is_current_stream_capturing": lambda: False,
+    }
+    import torch._dynamo.trace_rules as trace_rules
+
+    trace_rules.get_torch_obj_rule_map()  # built (and cached) from the real torch.cuda first
+    for name, fn in replacements.items():
+        if fn is _noop or fn is _zero:
+            fn = _const(fn())
+        setattr(cuda, name, fn)
+    names.append("torch.cuda." + ",".join(sorted(replacements)))
+    cuda.nvtx.range_push = _const(0)  # type: ignore[assignment]
+    cuda.nvtx.range_pop = _const(0)  # type: ignore[assignment]
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    names.append("Tensor.record_stream: no-op")
+    _patch_fake_data_setter()
+    names.append("FakeTensor.data setter: fake_device follows the new data")
+    _ORIG["swap_tensors"] = torch.utils.swap_tensors
+    torch.utils.swap_tensors = _swap_tensors
+    names.append("torch.utils.swap_tensors: .data assignment for fake parameters")
+    _patch_generation()
+    names.append("generate: stops after max_new_tokens steps")
+    if not deepspeed:
+        return names
+
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if type(acc).__name__ != "CUDA_Accelerator":
+        raise RuntimeError(f"fake-CUDA route needs DS_ACCELERATOR=cuda; DeepSpeed chose {type(acc).__name__}")
+    acc.is_available = lambda: True  # "Cannot use bfloat16 without accelerator"; torch.cuda's stays False
+    acc.communication_backend_version = lambda: (2, 18, 1)
+    acc.available_memory = lambda device_index=None: 24 * 2**30
+    acc.total_memory = lambda device_index=None: 24 * 2**30
+    names.append("deepspeed accelerator: is_available, memory (its Stream/Event are torch.cuda's stand-ins)")
+    import deepspeed.ops.adam as ds_adam
+    import deepspeed.runtime.engine  # noqa: F401 - imports (and binds) the optimizer classes first
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+
+    # every module that bound the real classes at import (engine.py's fp16 path picks FP16_Optimizer,
+    # the flattened one, only for an ``isinstance(optimizer, FusedAdam)``)
+    real = {ds_adam.FusedAdam: FusedAdam, ds_adam.DeepSpeedCPUAdam: DeepSpeedCPUAdam}
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("deepspeed"):
+            for attr in ("FusedAdam", "DeepSpeedCPUAdam"):
+                if getattr(mod, attr, None) in real:
+                    setattr(mod, attr, real[getattr(mod, attr)])
+    names.append("FusedAdam -> torch AdamW(fused=True); DeepSpeedCPUAdam -> torch AdamW on host")
+    import deepspeed.runtime.zero.utils as zutils
+
+    for mod_name in ("deepspeed.runtime.zero.utils", "deepspeed.runtime.zero.stage3",
+                     "deepspeed.runtime.zero.partition_parameters",
+                     "deepspeed.runtime.zero.partitioned_param_coordinator"):
+        __import__(mod_name)
+        if hasattr(sys.modules[mod_name], "assert_ints_same_as_other_ranks"):
+            sys.modules[mod_name].assert_ints_same_as_other_ranks = _const(None)
+    del zutils
+    names.append("zero3 assert_ints_same_as_other_ranks: skipped")
+    return names

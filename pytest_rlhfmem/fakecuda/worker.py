@@ -1,0 +1,129 @@
+"""One simulated rank of the fake-CUDA route, in a fresh process (the CUDA hooks load before torch).
+
+    python -m pytest_rlhfmem.fakecuda.worker --scenario '{...}' --rank 0 --out result.json
+
+Runs the project's recipe (``rlhf/deepspeed_chat.py: run_iteration``, unchanged) with ``device="cuda"``
+under ``FakeTensorMode``, on the ``fake`` process-group backend
+(``torch.testing._internal.distributed.fake_pg``: collectives complete at once and move no data), as
+rank ``--rank`` of ``scenario.world_size``. Only this rank runs: with a fake process group no rank
+waits for another, and DeepSpeed-Chat's ranks differ only in partition padding. The result JSON has
+the same shape as ``rlhf/worker.py``'s, with ``capture`` ``fake-cuda-simulated`` and the route's own
+records: ``adjustments`` (cuBLAS workspaces added), ``scalar_answers`` (every ``.item()`` call site and
+the fixed answer given), ``placement`` (offload annotations checked) and ``standins``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _rss_peak_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pytest_rlhfmem.fakecuda.worker")
+    ap.add_argument("--scenario", required=True, help="scenario JSON")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--out", required=True, help="result JSON path")
+    ap.add_argument("--without-flush-out", default=None,
+                    help="also write the result of the same trace replayed without its FLUSH events (the "
+                         "scenario with flush 'none'): a fake run's allocations do not depend on the flushes")
+    args = ap.parse_args(argv)
+
+    from . import native
+
+    native.load()  # before torch
+    os.environ["DS_ACCELERATOR"] = "cuda"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    t_start = time.perf_counter()
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ..rlhf.scenario import Scenario
+    from ..rlhf.worker import rank_result
+    from . import standins
+    from .recorder import FakeCudaRecorder
+
+    scenario = Scenario.from_dict(json.loads(args.scenario))
+    if scenario.framework != "deepspeed-chat":
+        raise SystemExit(f"rlhfmem: error: the fake-CUDA route runs deepspeed-chat only, not {scenario.framework}")
+    rank, world_size = args.rank, scenario.world_size
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))  # as torchrun sets them; DeepSpeed reads them
+    threads = scenario.get("threads", 1)
+    torch.set_num_threads(threads)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    rec = FakeCudaRecorder()
+    names = standins.install(rec)
+    import deepspeed
+    import transformers  # noqa: F401 - imported outside the fake mode
+
+    from ..rlhf.deepspeed_chat import run_iteration
+
+    deepspeed.init_distributed()
+    startup_s = time.perf_counter() - t_start
+    error = info = None
+    t0 = time.perf_counter()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        rec.start()
+        try:
+            info = run_iteration(scenario, rec, "cuda", rank, world_size)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
+            error = {"phase": rec.phases[-1].name if rec.phases else "startup", "time": time.time(),
+                     "type": type(exc).__name__, "message": str(exc)[:2000],
+                     "traceback": traceback.format_exc()[-6000:]}
+        wall = time.perf_counter() - t0
+        trace = rec.stop()
+    result = rank_result(scenario, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
+    result.update({
+        "route": "fake-cuda",
+        "simulated": True,
+        "adjustments": rec.adjustments,
+        "scalar_answers": rec.scalar_answers,
+        "placement": rec.placement,
+        "live_by_site_at_phase_end": rec.live_by_site(),
+        "standins": names,
+        "startup_s": round(startup_s, 3),
+        "replay_s": round(time.perf_counter() - t0 - wall, 3),
+        "host_rss_peak": _rss_peak_bytes(),
+    })
+    extra = {k: result[k] for k in ("route", "simulated", "adjustments", "scalar_answers", "placement", "standins",
+                                    "live_by_site_at_phase_end",
+                                    "startup_s", "host_rss_peak")}
+    _write(Path(args.out), result)
+    if args.without_flush_out:
+        from ..memory.trace import FLUSH, Trace
+
+        plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
+        t1 = time.perf_counter()
+        trace = Trace(events=[e for e in trace.events if e.action != FLUSH], capture=trace.capture, source=trace.source)
+        other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
+        other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
+                     derived_from=f"{scenario.id}: same trace, FLUSH events removed")
+        _write(Path(args.without_flush_out), other)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if error else 0)  # skip teardown of DeepSpeed/fake-mode state: the result is written
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The fake-CUDA route (pytest_rlhfmem/fakecuda): its pieces on a tiny model, in seconds.
+
+The route must run in a fresh process (its CUDA hooks load before torch), so the recording tests start
+``python -m pytest_rlhfmem.fakecuda.selfcheck`` / the worker as subprocesses.
+"""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from pytest_rlhfmem.fakecuda.recorder import SCALAR_ANSWERS, cublas_workspace_bytes
+from pytest_rlhfmem.fakecuda.run import run_fake_cuda
+from pytest_rlhfmem.rlhf.scenario import Scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKSPACE = 8_519_680
+
+
+def test_cublas_workspace_bytes_follows_the_config():
+    assert cublas_workspace_bytes(":4096:2:16:8") == WORKSPACE  # PyTorch's default before sm_90
+    assert cublas_workspace_bytes(":4096:8") == 32 * 2**20
+    with pytest.raises(ValueError, match="CUBLAS_WORKSPACE_CONFIG"):
+        cublas_workspace_bytes("4096:8")
+    with pytest.raises(ValueError, match="integers"):
+        cublas_workspace_bytes(":4096:x")
+
+
+def test_scalar_answers_take_the_normal_path():
+    assert SCALAR_ANSWERS["uint8"] == 0 and SCALAR_ANSWERS["bool"] is False  # fp16: no overflow
+    assert SCALAR_ANSWERS["float"] == 1.0  # finite norms and losses
+
+
+def _selfcheck(route: str) -> tuple[list, int]:
+    proc = subprocess.run([sys.executable, "-m", "pytest_rlhfmem.fakecuda.selfcheck", route], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events, workspaces = json.loads(proc.stdout.strip().splitlines()[-1])
+    return events, workspaces
+
+
+def test_fake_route_records_what_the_cpu_recorder_records():
+    """Same tiny OPT step (fp32: forward, loss, backward, AdamW step) on both routes. Documented
+    differences: the fake route adds one cuBLAS workspace per matmul thread (forward and autograd's
+    device thread); the CPU route also records 0-d scalar tensors (AdamW's ``step`` counters), which on
+    a GPU are host tensors too; one attention-path op per layer allocates differently (CPU kernels)."""
+    fake, workspaces = _selfcheck("fake")
+    cpu, _ = _selfcheck("cpu")
+    assert workspaces == 2
+    fake_sizes = [s for a, s in fake if a == "alloc"]
+    assert fake_sizes.count(WORKSPACE) == 2
+    f = Counter(s for s in fake_sizes if s != WORKSPACE)
+    c = Counter(s for a, s in cpu if a == "alloc" and s > 8)
+    big = lambda cnt: Counter({k: v for k, v in cnt.items() if k >= 64 * 1024})  # noqa: E731
+    assert big(f) == big(c)  # every parameter, gradient, optimizer state and activation >= 64 KiB
+    total_f, total_c = sum(k * v for k, v in f.items()), sum(k * v for k, v in c.items())
+    assert abs(total_f - total_c) < 0.005 * total_c
+
+
+def test_tiny_deepspeed_chat_iteration_on_the_fake_route(tmp_path):
+    """The project's recipe, unchanged, on fake CUDA tensors: fp16, 2 ranks (rank 0), ZeRO stage 0."""
+    sc = Scenario("deepspeed-chat", "tiny-opt", "none", "after-inference", 2)
+    results = run_fake_cuda(sc, work_dir=tmp_path, without_flush=True, timeout=900)
+    assert set(results) == {sc.id, Scenario("deepspeed-chat", "tiny-opt", "none", "none", 2).id}
+    for r in results.values():
+        assert r["status"] == "ok", r.get("error")
+        assert r["capture"] == "fake-cuda-simulated" and r["simulated"] is True
+        assert r["recipe"]["dtype"] == "float16"
+        assert r["adjustments"]["cublas_workspace"]["count"] >= 2
+        assert [p["phase"] for p in r["phases"]][0] == "init" and r["total"]["peak_allocated"] > 0
+    flushed = results[sc.id]
+    assert len(flushed["flushes"]) == 5  # after generate and each of the four inference forwards
+

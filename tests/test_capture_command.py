@@ -2,6 +2,7 @@
 commands (plain PyTorch, torchrun with 2 ranks, a Hugging Face Trainer) in subprocesses and pytester
 sessions; the public API's null path checked structurally in a fresh interpreter."""
 
+import fnmatch
 import json
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_three_phase_marks_give_three_phases_each_merged_over_its_repeats(tmp_pa
     assert res["peak_phase"] in ("score", "train")
     for line in ("phase * peak reserved * peak allocated * fragmentation * cudaMalloc * time",
                  "generate *", "score *", "train *", "iteration *"):
-        assert any(__import__("fnmatch").fnmatch(ln, line) for ln in r.stdout.splitlines()), line
+        assert any(fnmatch.fnmatch(ln, line) for ln in r.stdout.splitlines()), line
 
 
 def test_torchrun_line_with_two_ranks_records_both_and_not_the_agent(tmp_path):

@@ -202,3 +202,13 @@ def test_exits_before_torch(rlhfmem_command):
     r.stdout.fnmatch_lines(["*rlhfmem_command('early-exit'): * -c 'raise SystemExit(5)' exited with code 5 "
                             "before its first allocation*"])
     assert "During handling of the above exception" not in r.stdout.str()
+
+
+def test_nested_phase_resumes_the_enclosing_one(tmp_path):
+    out = tmp_path / "nested.json"
+    r = capture("--id", "nested", "--device", "cpu", "--json", str(out), "--", str(COMMANDS / "nested_train.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["ranks"][0]["phases"]
+    assert [(p["phase"], p["windows"]) for p in rows] == [("run", 2), ("train", 2), ("backward", 1)]
+    backward = rows[2]
+    assert backward["peak_allocated"] >= 2 * 512 * 512 * 4  # weight + its gradient, fp32 bytes

@@ -24,7 +24,8 @@ def main() -> int:
     a = ap.parse_args()
     import pytest_rlhfmem as rlhfmem
 
-    heavy = [m for m in sys.modules if m == "torch" or m.startswith(("pytest_rlhfmem.memory", "pytest_rlhfmem.command"))]
+    heavy = [m for m in sys.modules
+             if m == "torch" or m.startswith(("pytest_rlhfmem.memory", "pytest_rlhfmem.command"))]
     assert rlhfmem.active() is None and not heavy, heavy
     setup = "import contextlib, pytest_rlhfmem as rlhfmem; null = contextlib.nullcontext(); ts = [None]"
     cases = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ from pytest_rlhfmem.command.run import recorder_library, run_command
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 COMMANDS = {
-    "plain loop (tests/data/commands/plain_train.py)": [sys.executable, str(REPO / "tests/data/commands/plain_train.py")],
+    "plain loop (tests/data/commands/plain_train.py)": [sys.executable,
+                                                        str(REPO / "tests/data/commands/plain_train.py")],
     "tiny PPO, torchrun x2 (examples/tiny_ppo.py)": [*TORCHRUN, str(REPO / "examples/tiny_ppo.py")],
 }
 
@@ -36,14 +38,15 @@ def main() -> int:
     recorder_library()  # built once, as the CLI does before launching
     env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     rows = {}
-    print(f"{'command':50s} {'bare':>8s} {'captured':>9s} {'overhead':>9s} {'ranks, captured':>16s} {'trace events':>13s}")
+    print(f"{'command':50s} {'bare':>8s} {'captured':>9s} {'overhead':>9s} {'ranks, captured':>16s} "
+          f"{'trace events':>13s}")
     for name, cmd in COMMANDS.items():
         if a.only and a.only not in name:
             continue
         bare, cap, ranks, events = [], [], [], 0
         for _ in range(a.runs):
             t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, capture_output=True, env={**__import__("os").environ, **env})
+            subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, **env})
             bare.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             res = run_command(cmd, id=name, device="cpu", env=env)

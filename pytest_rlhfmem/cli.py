@@ -111,8 +111,8 @@ def _plot(args: argparse.Namespace) -> int:
     except ReportInputError as exc:
         raise CliError(str(exc)) from None
     labels = args.labels.split(",") if args.labels else [
-        r["scenario"].get("flush", r["scenario_id"]) if len({x["scenario"].get("flush") for x in results}) == len(results)
-        else r["scenario_id"]
+        r["scenario"].get("flush", r["scenario_id"])
+        if len({x["scenario"].get("flush") for x in results}) == len(results) else r["scenario_id"]
         for r in results]
     if len(labels) != len(results):
         raise CliError(f"--labels needs {len(results)} comma-separated names")

@@ -2,6 +2,7 @@
 commands (plain PyTorch, torchrun with 2 ranks, a Hugging Face Trainer) in subprocesses and pytester
 sessions; the public API's null path checked structurally in a fresh interpreter."""
 
+import fnmatch
 import json
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_three_phase_marks_give_three_phases_each_merged_over_its_repeats(tmp_pa
     assert res["peak_phase"] in ("score", "train")
     for line in ("phase * peak reserved * peak allocated * fragmentation * cudaMalloc * time",
                  "generate *", "score *", "train *", "iteration *"):
-        assert any(__import__("fnmatch").fnmatch(ln, line) for ln in r.stdout.splitlines()), line
+        assert any(fnmatch.fnmatch(ln, line) for ln in r.stdout.splitlines()), line
 
 
 def test_torchrun_line_with_two_ranks_records_both_and_not_the_agent(tmp_path):
@@ -201,3 +202,13 @@ def test_exits_before_torch(rlhfmem_command):
     r.stdout.fnmatch_lines(["*rlhfmem_command('early-exit'): * -c 'raise SystemExit(5)' exited with code 5 "
                             "before its first allocation*"])
     assert "During handling of the above exception" not in r.stdout.str()
+
+
+def test_nested_phase_resumes_the_enclosing_one(tmp_path):
+    out = tmp_path / "nested.json"
+    r = capture("--id", "nested", "--device", "cpu", "--json", str(out), "--", str(COMMANDS / "nested_train.py"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["ranks"][0]["phases"]
+    assert [(p["phase"], p["windows"]) for p in rows] == [("run", 2), ("train", 2), ("backward", 1)]
+    backward = rows[2]
+    assert backward["peak_allocated"] >= 2 * 512 * 512 * 4  # weight + its gradient, fp32 bytes

@@ -11,6 +11,9 @@ A file::
     entries:
       deepspeed-chat/tiny-opt/zero3/flush-none/x2:
         capture: cpu-trace-simulated     # how the figures were obtained: simulated or real
+        capture_description:             # CPU: the CUDA emulation (absent = written without emulation)
+          cuda_emulation: {adjustments: [host-scalars, cpu-kernel-scratch, cublas-workspace,
+                                         cuda-kernel-temporaries], cublas_workspace_bytes: 8519680}
         device: cpu
         peak_phase: train_actor
         versions: {torch: 2.13.0, deepspeed: 0.19.8}
@@ -23,8 +26,9 @@ A file::
         tolerances:                      # optional per-entry overrides
           peak_reserved: {rel: 0.02}
 
-A measured value passes when ``measured <= budget + max(abs, rel * budget)``. Loading is strict: an
-unknown key, a size without a unit or a negative tolerance raises :class:`BudgetError` naming the file,
+A result is compared only with an entry of the same capture (kind and description, see
+:func:`not_comparable`). A measured value passes when ``measured <= budget + max(abs, rel * budget)``.
+Loading is strict: an unknown key, a size without a unit or a negative tolerance raises :class:`BudgetError` naming the file,
 the entry and the key. Updates merge into the file (entries a run did not touch are kept), are atomic
 (temporary file + rename) and serialised by a file lock, so concurrent writers cannot lose entries.
 """
@@ -78,8 +82,8 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
 
 _TOP_KEYS = ("schema", "profile", "notes", "defaults", "entries")
 _DEFAULTS_KEYS = ("tolerances",)
-_ENTRY_KEYS = ("capture", "capture_description", "device", "world_size", "peak_phase", "versions", "metrics",
-               "tolerances")
+_ENTRY_KEYS = ("capture", "device", "world_size", "peak_phase", "versions", "metrics", "tolerances",
+               "capture_description")
 _TOL_KEYS = ("rel", "abs")
 
 

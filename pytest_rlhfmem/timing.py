@@ -76,16 +76,21 @@ def time_figure(result: dict, spreads: dict[str, dict] | None = None) -> TimeFig
     """The iteration time of a scenario result with its noise (see the module docstring); ``None`` when the
     result carries no time. A recorded spread is looked up by scenario id, then by the id with any flush
     policy (on CPU a flush is a trace marker: it cannot change the iteration's time)."""
+    spreads = spreads or {}
+    sid = result.get("scenario_id", "")
+    rec = spreads.get(sid) or next((v for k, v in spreads.items() if _flushless(k) == _flushless(sid)), None)
     rounds = [t for t in (result.get("time_rounds") or []) if t]
     if len(rounds) >= 2:
+        # Rounds run back to back see the load of their minutes only; a recorded spread (between sessions)
+        # is the floor when there is one.
         med, rel = rounds_spread(rounds)
+        if rec and rec.get("spread") is not None and float(rec["spread"]) > rel:
+            return TimeFigure(med, float(rec["spread"]), f"{len(rounds)} rounds, recorded spread floor",
+                              tuple(rounds))
         return TimeFigure(med, rel, f"{len(rounds)} rounds", tuple(rounds))
     t = result.get("iteration_wall_s")
     if not t:
         return None
-    spreads = spreads or {}
-    sid = result.get("scenario_id", "")
-    rec = spreads.get(sid) or next((v for k, v in spreads.items() if _flushless(k) == _flushless(sid)), None)
     if rec and rec.get("spread") is not None:
         return TimeFigure(float(t), float(rec["spread"]), f"recorded spread of {rec.get('runs', '?')} runs", (t,))
     return TimeFigure(float(t), None, "1 round", (t,))

@@ -98,8 +98,12 @@ def get_eval_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_batc
 
 
 def _precision(dtype: torch.dtype) -> dict:
+    """DeepSpeed-Chat's precision block (``ds_utils.py``). One deviation, for fp16: the dynamic loss scale
+    starts at 2**0 instead of DeepSpeed's 2**16, so the ONE measured iteration takes its optimizer step (and
+    allocates the optimizer states) as every steady-state iteration of a real run does; at 2**16 a fresh
+    run's first steps overflow and are skipped, and the iteration would show no optimizer state at all."""
     if dtype == torch.float16:
-        return {"fp16": {"enabled": True, "loss_scale_window": 100}}
+        return {"fp16": {"enabled": True, "loss_scale_window": 100, "initial_scale_power": 0}}
     if dtype == torch.bfloat16:
         return {"bf16": {"enabled": True}}
     return {}

@@ -33,7 +33,7 @@ from .deepspeed_chat import (
     STRATEGY_SETTINGS, create_critic_model, create_hf_model, get_eval_ds_config, get_train_ds_config,
     make_optimizer, offloaded_tensors, optimizer_state_summary,
 )
-from .models import ModelPair, build_causal_lm, get_pair
+from .models import ModelPair, build_causal_lm, get_pair, output_width
 from .scenario import DEFAULT_GROUP_SIZE, Scenario
 
 
@@ -61,7 +61,8 @@ def build_hydra(pair: ModelPair, lora_dim: int, dtype: torch.dtype, path: str | 
     ``(peft_model, hydra)``: the peft wrapper (adapters, ``disable_adapter``) and the inner model."""
     from peft import LoraConfig, get_peft_model
 
-    hydra = HydraModel(build_causal_lm(pair.actor, path), pair.actor.hidden_size()).to(dtype)
+    lm = build_causal_lm(pair.actor, path)
+    hydra = HydraModel(lm, output_width(lm.config)).to(dtype)  # the reward head reads the backbone's width
     cfg = LoraConfig(r=lora_dim, lora_alpha=1, lora_dropout=0.0, target_modules=list(pair.lora_targets),
                      fan_in_fan_out=pair.actor.family == "gpt2", bias="none", modules_to_save=["v_head"])
     model = get_peft_model(hydra, cfg, adapter_name="actor")

@@ -42,7 +42,7 @@ def main() -> None:
         rec = FakeCudaRecorder()
         with FakeTensorMode():
             rec.start()
-            q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+            q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))  # noqa: E501
             mask = torch.zeros(b, 1, t, t, device="cuda", dtype=torch.float16)
             n0 = len(rec.events)
             if path == "math":

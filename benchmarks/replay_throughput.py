@@ -127,10 +127,10 @@ def main() -> int:
             print(f"{name}: skipped, {p} not found")
             continue
         out[name] = in_process(p, a.repeat, None)
-    print(f"{'workload':36s} {'events':>9s} {'load s':>7s} {'(unpickle)':>10s} {'replay s':>8s} {'metrics s':>9s} {'bound':>7s} "
+    print(f"{'workload':36s} {'events':>9s} {'load s':>7s} {'(unpickle)':>10s} {'replay s':>8s} {'metrics s':>9s} {'bound':>7s} "  # noqa: E501
           f"{'in-process ev/s':>15s} {'whole cmd s':>11s} {'whole ev/s':>10s}")
     for k, v in out.items():
-        print(f"{k:36s} {v['events']:>9,d} {v['load_s']:>7.2f} {v['unpickle_s']:>10.2f} {v['replay_s']:>8.2f} {v['metrics_s']:>9.2f} "
+        print(f"{k:36s} {v['events']:>9,d} {v['load_s']:>7.2f} {v['unpickle_s']:>10.2f} {v['replay_s']:>8.2f} {v['metrics_s']:>9.2f} "  # noqa: E501
               f"{v['bound_by']:>7s} {v['events_per_s_in_process']:>15,d} "
               f"{v.get('whole_command_s', float('nan')):>11.2f} {v.get('whole_command_events_per_s', 0):>10,d}")
     if a.json:

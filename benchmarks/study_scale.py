@@ -102,7 +102,7 @@ def findings(results: dict[str, dict], models: str, overrides: dict) -> str:
     z2, z3 = get("zero2", "none"), get("zero3", "none")
     if z2 and z3:
         ok = z3["peak_reserved"] > z2["peak_reserved"] and z3["peak_allocated"] < z2["peak_allocated"]
-        lines.append(f"1. ZeRO-3 reserves more than ZeRO-2 while allocating less: {'REPRODUCED' if ok else 'NOT reproduced'}"
+        lines.append(f"1. ZeRO-3 reserves more than ZeRO-2 while allocating less: {'REPRODUCED' if ok else 'NOT reproduced'}"  # noqa: E501
                      f" (reserved {z3['peak_reserved'] / GIB:.2f} vs {z2['peak_reserved'] / GIB:.2f} GiB, allocated "
                      f"{z3['peak_allocated'] / GIB:.2f} vs {z2['peak_allocated'] / GIB:.2f} GiB; peaks in "
                      f"{z3['peak_phase']} / {z2['peak_phase']})")

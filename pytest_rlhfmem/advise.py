@@ -726,7 +726,8 @@ def text_lines(doc: dict, top: int = 8) -> list[str]:
         lines.append(f"  study's policies: {pol}")
         for ne in s["not_evaluated"]:
             lines.append(f"  {ne['setting']}: {ne['reason']}")
-        lines.append(f"  garbage_collection_threshold assumes a device of {format_size(s['assumptions']['gc_capacity'])}"
+        capacity = format_size(s["assumptions"]["gc_capacity"])
+        lines.append(f"  garbage_collection_threshold assumes a device of {capacity}"
                      f" ({s['assumptions']['gc_capacity_source']})")
         mc = s["premise"]["measured_check"]
         if mc:

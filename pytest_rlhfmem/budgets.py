@@ -28,8 +28,8 @@ A file::
 
 A result is compared only with an entry of the same capture (kind and description, see
 :func:`not_comparable`). A measured value passes when ``measured <= budget + max(abs, rel * budget)``.
-Loading is strict: an unknown key, a size without a unit or a negative tolerance raises :class:`BudgetError` naming the file,
-the entry and the key. Updates merge into the file (entries a run did not touch are kept), are atomic
+Loading is strict: an unknown key, a size without a unit or a negative tolerance raises :class:`BudgetError`
+naming the file, the entry and the key. Updates merge into the file (entries a run did not touch are kept), are atomic
 (temporary file + rename) and serialised by a file lock, so concurrent writers cannot lose entries.
 """
 

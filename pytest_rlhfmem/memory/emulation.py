@@ -271,7 +271,7 @@ def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, E
         entry[0] += 1
         entry[1] += size
 
-    for i, (t, ptr, size, kind, main) in enumerate(rows):
+    for i, (t, ptr, _size, kind, main) in enumerate(rows):
         if kind == 0:
             live[ptr] = i
             if main:

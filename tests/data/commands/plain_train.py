@@ -5,7 +5,7 @@ import torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-for step in range(3):
+for _step in range(3):
     batch = torch.randn(64, 256)
     with torch.no_grad():
         target = model(batch)

@@ -65,8 +65,8 @@ def main(route: str) -> list:
         from ..memory.capture import Recorder
 
         torch.set_num_threads(1)
-        rec = Recorder("cpu")
-        rec.start()
+        rec = Recorder("cpu", cuda_emulation=None)  # the raw CPU recorder: the fake route's own adjustments
+        rec.start()                                  # (cuBLAS workspaces) are the documented difference
         _step("cpu", rec)
         trace = rec.stop()
         workspace = 0

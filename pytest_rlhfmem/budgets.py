@@ -74,9 +74,11 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "cuda_malloc_count": Tolerance(0.1, 3),
     "alloc_retries": Tolerance(0.0, 0),
     # Host figures are the process's own: peak RSS moves with libraries' lazy allocations and glibc's
-    # arenas (spread measured in benchmarks/host_spread.py); the offload buffers' bytes are exact on CPU
-    # and rounded by the pinned pool on CUDA.
-    "host_peak_rss": Tolerance(0.05, 32 * 2**20),
+    # arenas. Within one environment it repeated within 3 MiB (benchmarks/spread.py); between two fresh
+    # environments of the same packages, on a loaded machine, the same scenario (ZeRO-3 + offload +
+    # checkpointing, tiny OPT x2) measured 540 and 647 MiB (+20%): hence a quarter, at least 128 MiB.
+    # The offload buffers' bytes are exact on CPU and rounded by the pinned pool on CUDA.
+    "host_peak_rss": Tolerance(0.25, 128 * 2**20),
     "host_pinned_peak": Tolerance(0.01, 2**20),
 }
 

@@ -48,11 +48,14 @@ class TimeFigure:
 
 
 def rounds_spread(times: list[float]) -> tuple[float, float]:
-    """``(median, relative half-range)`` of repeated times (seconds). Raises ``ValueError`` for no times."""
+    """``(median, relative range)`` of repeated times (seconds): the interval is the median +- the whole
+    range ``max - min``. A half range is too narrow for a handful of rounds: ``[min, max]`` of n rounds holds
+    the true median only with probability ``1 - 2**(1 - n)`` (75% for 3), and the median itself may sit at
+    either end. Raises ``ValueError`` for no times."""
     if not times:
         raise ValueError("no times")
     med = statistics.median(times)
-    return med, ((max(times) - min(times)) / 2 / med) if med > 0 else 0.0
+    return med, ((max(times) - min(times)) / med) if med > 0 else 0.0
 
 
 def load_spreads(path: str | Path | None) -> dict[str, dict]:

@@ -25,10 +25,10 @@ def result(sid: str, times: list[float], flush: str = "none", peak: int = 64 << 
 SID = "deepspeed-chat/tiny-opt/none/flush-FLUSH/x2"
 
 
-def test_rounds_give_median_and_half_range():
-    assert rounds_spread([10.0, 12.0, 14.0]) == (12.0, pytest.approx(2 / 12))
+def test_rounds_give_median_and_range():
+    assert rounds_spread([10.0, 12.0, 14.0]) == (12.0, pytest.approx(4 / 12))
     f = time_figure(result(SID, [9.0, 12.0, 10.0]))
-    assert f.seconds == 10.0 and f.noise_rel == pytest.approx(0.15) and f.source == "3 rounds"
+    assert f.seconds == 10.0 and f.noise_rel == pytest.approx(0.3) and f.source == "3 rounds"
 
 
 def test_the_issue_15_line_is_within_noise_when_the_rounds_overlap():
@@ -41,7 +41,7 @@ def test_the_issue_15_line_is_within_noise_when_the_rounds_overlap():
 def test_a_change_beyond_both_intervals_is_reported_with_its_noise():
     status, text = compare_times(time_figure(result(SID, [10.0, 10.2, 9.8])),
                                  time_figure(result(SID, [20.0, 20.4, 19.6])))
-    assert status == "slower" and "+100.0% (beyond noise +-6%" in text
+    assert status == "slower" and "+100.0% (beyond noise +-12%" in text
 
 
 def test_one_round_without_recorded_spread_prints_no_percentage():

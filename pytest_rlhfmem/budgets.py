@@ -47,7 +47,11 @@ from .units import format_size, parse_size
 
 SCHEMA = 1
 DEVICE_SIZE_BUDGETS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak")
-HOST_BUDGETS = ("host_peak_rss", "host_pinned_peak")  # measured for real on every machine (memory/host.py)
+# Host figures are measured for real on every machine (memory/host.py). The gated RSS figure is the growth
+# over the RSS once the frameworks are imported: the absolute peak (``host_peak_rss``, still reported) moves
+# with the environment's packages by a fifth or more (the same ColossalChat scenario peaked
+# at 639-647 MiB here and 831-848 MiB in CI's fresh environment).
+HOST_BUDGETS = ("host_rss_growth", "host_pinned_peak")
 SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS
 COUNT_BUDGETS = ("cuda_malloc_count", "alloc_retries")
 BUDGET_METRICS = DEVICE_SIZE_BUDGETS + COUNT_BUDGETS + HOST_BUDGETS
@@ -73,12 +77,13 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "fragmentation_at_peak": Tolerance(0.05, 4 * 2**20),
     "cuda_malloc_count": Tolerance(0.1, 3),
     "alloc_retries": Tolerance(0.0, 0),
-    # Host figures are the process's own: peak RSS moves with libraries' lazy allocations and glibc's
-    # arenas. Within one environment it repeated within 3 MiB (benchmarks/spread.py); between two fresh
-    # environments of the same packages, on a loaded machine, the same scenario (ZeRO-3 + offload +
-    # checkpointing, tiny OPT x2) measured 540 and 647 MiB (+20%): hence a quarter, at least 128 MiB.
+    # Host RSS growth (peak minus the RSS after imports) moves with libraries' lazy allocations and glibc's
+    # arenas: within one environment the peak repeated within 3 MiB (benchmarks/spread.py) and the growth of
+    # the same ColossalChat scenario within 8 MiB (98-106 MiB) across runs; a fifth, at least 48 MiB, leaves
+    # room for another environment's lazy allocations without hiding a model state the size of the tiny
+    # pair's (the absolute peak, 540-848 MiB between environments, is reported but not gated).
     # The offload buffers' bytes are exact on CPU and rounded by the pinned pool on CUDA.
-    "host_peak_rss": Tolerance(0.25, 128 * 2**20),
+    "host_rss_growth": Tolerance(0.2, 48 * 2**20),
     "host_pinned_peak": Tolerance(0.01, 2**20),
 }
 
@@ -186,6 +191,10 @@ def load_budget_file(path: str | Path) -> BudgetFile:
         _unknown(p, where, e, _ENTRY_KEYS)
         metrics: dict[str, int] = {}
         for m, v in (e.get("metrics") or {}).items():
+            if m == "host_peak_rss":
+                raise _err(p, f"{where}.metrics", "host_peak_rss is reported, not budgeted: the gated host figure "
+                           "is host_rss_growth (peak RSS minus the RSS after imports); regenerate the entry with "
+                           "--rlhfmem-update-baselines")
             if m not in BUDGET_METRICS:
                 raise _err(p, f"{where}.metrics", f"unknown metric {m!r}; allowed: {', '.join(BUDGET_METRICS)}")
             if m in SIZE_BUDGETS:

@@ -18,6 +18,7 @@ import pytest
 from . import budgets as B
 from . import hardware
 from .hardware import CudaDevice, gpu_shortfall, profile_name
+from .memory.host import format_rss
 from .results import IterationResult, strip_for_summary
 from .units import format_size
 
@@ -297,8 +298,9 @@ class RlhfmemSession:
             tr.write_line("simulated = CPU allocation trace replayed through the CUDA caching allocator model; "
                           "not a GPU measurement")
         if self.results:
-            tr.write_line("host peak RSS / host pinned: measured in each rank's process (max over ranks), never "
-                          "simulated; on CPU 'pinned' = offload buffers held in host memory (nothing is page-locked)")
+            tr.write_line("host peak RSS (growth) / host pinned: measured in each rank's process (max over ranks), "
+                          "never simulated; growth = peak minus the RSS after imports, the budgeted figure; on CPU "
+                          "'pinned' = offload buffers held in host memory (nothing is page-locked)")
         from .report import flush_tradeoffs
 
         from .timing import session_spreads
@@ -334,7 +336,7 @@ def _gpu_mark_args(mark: pytest.Mark) -> tuple[int, float | None]:
 def summary_table(results: list[dict]) -> list[str]:
     """scenario | capture | peak reserved | peak allocated | fragmentation | vs budget."""
     rows = [("scenario", "capture", "peak reserved", "peak allocated", "fragmentation", "peak phase",
-             "host peak RSS", "host pinned", "vs budget")]
+             "host peak RSS (growth)", "host pinned", "vs budget")]
     for r in results:
         m = r.get("metrics") or {}
         b = r.get("budget") or {}
@@ -351,7 +353,7 @@ def summary_table(results: list[dict]) -> list[str]:
         rows.append((r["scenario_id"], "simulated" if r.get("simulated") else "cuda",
                      format_size(m.get("peak_reserved")), format_size(m.get("peak_allocated")),
                      format_size(m.get("fragmentation_at_peak")), str(r.get("peak_phase") or "-"),
-                     format_size(m.get("host_peak_rss")), format_size(m.get("host_pinned_peak")), vs))
+                     format_rss(m), format_size(m.get("host_pinned_peak")), vs))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 

@@ -14,6 +14,12 @@ Figures, all in bytes, per rank:
   instead (a peak shorter than the interval can be missed); :attr:`HostMemory.rss_method` says which.
   On the CPU path RSS includes the tensors the device trace models (they live in host RAM there): the
   device figures are simulated, these are the process's real footprint.
+- ``host_rss_growth``: ``host_peak_rss`` minus the RSS when measuring began (``host_rss_at_start``: the
+  interpreter, torch and the framework, imported before the first model is built). This is the part the
+  iteration itself adds (model states, optimizer states, offload buffers, activations held in host memory)
+  and the host figure budgets gate: the import footprint is the environment's, not the recipe's. Measured
+  here: the same ColossalChat scenario (tiny OPT x2) peaked at 639-647 MiB in this machine's environment and
+  at 831-848 MiB in CI's fresh one, while its growth here was 98-106 MiB (start 541 MiB).
 - ``host_pinned_peak``: on CUDA, the most page-locked memory held by PyTorch's caching host allocator
   (``torch.cuda.host_memory_stats()['allocated_bytes.peak']``, peak reset per phase with
   ``torch.cuda.reset_peak_host_memory_stats``; DeepSpeed pins its offload buffers through it). On CPU
@@ -37,7 +43,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-HOST_METRIC_NAMES = ("host_peak_rss", "host_pinned_peak")
+HOST_METRIC_NAMES = ("host_peak_rss", "host_rss_growth", "host_pinned_peak")
 RSS_HWM = "VmHWM, reset per phase through /proc/self/clear_refs"
 RSS_SAMPLED = "sampled from /proc/self/statm every 1 ms"
 PINNED_CUDA = "torch.cuda.host_memory_stats allocated_bytes.peak (page-locked)"
@@ -115,6 +121,7 @@ class HostMemory:
     rss_method: str = ""
     pinned_method: str = ""
     peak_rss: int = 0
+    rss_at_start: int = 0  # RSS when measuring began: the interpreter and the imported frameworks
     pinned_peak: int = 0
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     _sampler: _Sampler | None = None
@@ -126,6 +133,7 @@ class HostMemory:
     def start(self) -> None:
         """Begin measuring (before the first model is built)."""
         self._cuda_stats = self.device == "cuda" and _has_host_allocator_stats()
+        self.rss_at_start = current_rss()
         self.pinned_method = PINNED_CUDA if self._cuda_stats else PINNED_CPU
         if _status_kib("VmHWM") is not None and _reset_hwm():
             self.rss_method = RSS_HWM
@@ -153,7 +161,8 @@ class HostMemory:
 
     def end_phase(self, name: str) -> None:
         rss, pinned = self._read_rss_peak(), self._read_pinned_peak()
-        self.phases[name] = {"host_peak_rss": rss, "host_pinned_peak": pinned, "host_rss_at_end": current_rss()}
+        self.phases[name] = {"host_peak_rss": rss, "host_rss_growth": max(0, rss - self.rss_at_start),
+                             "host_pinned_peak": pinned, "host_rss_at_end": current_rss()}
         self.peak_rss = max(self.peak_rss, rss)
         self.pinned_peak = max(self.pinned_peak, pinned)
         self._phase = None
@@ -204,10 +213,21 @@ class HostMemory:
             self._phase_pinned = self._offloaded_live()
 
     def to_dict(self) -> dict:
-        """``{"host_peak_rss", "host_pinned_peak", "rss_method", "pinned_method", "measured": True,
-        "phases": {phase: {"host_peak_rss", "host_pinned_peak"}}}`` (bytes)."""
-        return {"host_peak_rss": self.peak_rss, "host_pinned_peak": self.pinned_peak, "rss_method": self.rss_method,
+        """``{"host_peak_rss", "host_rss_at_start", "host_rss_growth", "host_pinned_peak", "rss_method",
+        "pinned_method", "measured": True, "phases": {phase: {"host_peak_rss", "host_rss_growth",
+        "host_pinned_peak", "host_rss_at_end"}}}`` (bytes)."""
+        return {"host_peak_rss": self.peak_rss, "host_rss_at_start": self.rss_at_start,
+                "host_rss_growth": max(0, self.peak_rss - self.rss_at_start),
+                "host_pinned_peak": self.pinned_peak, "rss_method": self.rss_method,
                 "pinned_method": self.pinned_method, "measured": True, "phases": dict(self.phases)}
+
+
+def format_rss(m: dict) -> str:
+    """``"646.86 MiB (+105.66 MiB)"``: a result's peak RSS and, in brackets, the growth budgets gate."""
+    from ..units import format_size
+
+    growth = m.get("host_rss_growth")
+    return format_size(m.get("host_peak_rss")) + (f" (+{format_size(growth)})" if growth is not None else "")
 
 
 def attach_host(result: dict, host: HostMemory) -> dict:

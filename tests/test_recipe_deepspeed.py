@@ -39,10 +39,13 @@ def test_every_phase_is_measured_with_finite_losses():
 def test_stages_0_to_2_are_deterministic(strategy):
     first = run(strategy)
     again = run_scenario(Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2), device="cpu", timeout=600)
-    for m in ("peak_reserved", "fragmentation_at_peak", "cuda_malloc_count", "alloc_retries"):
+    for m in ("peak_reserved", "cuda_malloc_count", "alloc_retries"):
         assert again["metrics"][m] == first["metrics"][m], m
-    # Communication threads free a block at slightly different moments: at most one 512-byte block.
-    assert abs(again["metrics"]["peak_allocated"] - first["metrics"]["peak_allocated"]) <= 512
+    # Communication threads free a block at slightly different moments: at most one 512-byte block, in the
+    # peak allocated and so in the fragmentation at that peak (seen under load for zero2: 10,132,480 vs
+    # 10,132,992 B).
+    for m in ("peak_allocated", "fragmentation_at_peak"):
+        assert abs(again["metrics"][m] - first["metrics"][m]) <= 512, m
 
 
 def test_zero3_lowers_peak_allocated_below_none():

@@ -264,8 +264,8 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     if any(s["env"].get("capture") == "cpu-trace-simulated" for side in (d.base, d.head)
            for s in side.scenarios.values()):
         lines += ["", "_cpu-trace-simulated figures are simulated: a CPU allocation trace replayed through the "
-                  "CUDA caching allocator model. host_peak_rss, host_rss_growth and host_pinned_peak are measured (each rank's "
-                  "process), never simulated._"]
+                  "CUDA caching allocator model. host_peak_rss, host_rss_growth and host_pinned_peak are measured "
+                  "(each rank's process), never simulated._"]
     changed = [r for r in d.rows if r.status not in ("unchanged", "unmeasured")]
     lines += ["", "## Changes", ""]
     lines += _md_table(changed) if changed else ["No metric moved beyond the threshold."]

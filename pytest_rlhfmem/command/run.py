@@ -13,14 +13,13 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..rlhf.launch import DEFAULT_TIMEOUT_S, _kill_leftover_workers, _terminate, _worker_env, aggregate, resolve_device
+from ..rlhf.launch import DEFAULT_TIMEOUT_S, _worker_env, aggregate, resolve_device, run_process_group
 from . import rank as R
 
 BOOTSTRAP_DIR = Path(__file__).with_name("bootstrap")
@@ -161,28 +160,19 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if library:
         run_env["RLHFMEM_RECORDER_LIBRARY"] = library
     log_path = work / "command.log"
-    timed_out = False
-    with open(log_path, "wb") as log:
-        try:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=run_env, cwd=cwd)
-        except OSError as exc:
-            raise CommandError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _terminate(proc)
-    _kill_leftover_workers(work)
+    try:
+        returncode, timed_out = run_process_group(argv, log_path, run_env, timeout, work, cwd=cwd)
+    except OSError as exc:
+        raise CommandError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
     started = sorted(work.glob("claim-rank*"))
     if not started and not timed_out:
         tail = _last_line(log_path)
-        if proc.returncode != 0:
-            raise CommandError(f"{shlex.join(argv)} exited with code {proc.returncode} before its first allocation "
+        if returncode != 0:
+            raise CommandError(f"{shlex.join(argv)} exited with code {returncode} before its first allocation "
                                f"(torch was never imported){': ' + tail if tail else ''}")
         raise CommandError(f"{shlex.join(argv)} finished without importing torch: nothing to measure")
     ident = R.CommandIdentity(id, tuple(argv), n)
-    result = aggregate(ident, device, work, proc.returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+    result = aggregate(ident, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
     result["command"] = argv
     result["log"] = str(log_path)
     return result

@@ -18,12 +18,15 @@ strategies ``none`` and ``grad-ckpt``. The others need CUDA (:data:`CPU_STRATEGI
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from ..memory.capture import Recorder
 from . import ppo
 from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
-from .models import ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
+from .models import ModelPair, ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
 from .scenario import Scenario
 
 # strategy -> (plugin, gradient checkpointing); plugin kwargs below
@@ -102,9 +105,57 @@ def _tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
     return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
 
+@dataclass
+class BoostedModels:
+    """What :func:`boost_models` built: the boosted actor with its optimizer and booster, the critic with
+    its own (``None`` without a critic), and the boosted reference and reward models in eval mode."""
+
+    actor: Any
+    actor_optim: Any
+    actor_booster: Any
+    critic: Any
+    critic_optim: Any
+    critic_booster: Any  # also boosts the reward model, as coati's train_ppo.py does
+    ref: Any
+    reward: Any
+
+
+def boost_models(scenario: Scenario, pair: ModelPair, kind: str, dtype: torch.dtype, device: str, lora_dim: int,
+                 grad_ckpt: bool, with_critic: bool) -> BoostedModels:
+    """Build and boost the models of one iteration in the order of coati's ``train_ppo.py``: actor (LoRA when
+    ``lora_dim > 0``), critic (PPO only), gradient checkpointing, reference, reward; then one booster for the
+    actor and the reference, one for the critic and the reward (``make_plugin(kind)`` each), with a
+    communication settle after every boost (:func:`_settle_comm`)."""
+    from colossalai.booster import Booster
+
+    actor = build_causal_lm(pair.actor, scenario.get("actor_path")).to(dtype)
+    if lora_dim > 0:
+        actor = convert_to_lora(actor, pair, lora_dim, scenario.get("only_optimize_lora", False))
+    critic = _value_model(pair.critic, scenario.get("critic_path"), dtype) if with_critic else None
+    if grad_ckpt:
+        for model in (actor, critic) if critic is not None else (actor,):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = build_causal_lm(pair.actor, scenario.get("actor_path")).to(dtype)
+    reward = _value_model(pair.critic, scenario.get("critic_path"), dtype)
+    actor_booster = Booster(plugin=make_plugin(kind, dtype))
+    critic_booster = Booster(plugin=make_plugin(kind, dtype))
+    actor, actor_optim, *_ = actor_booster.boost(actor, _optimizer(actor, kind))
+    _settle_comm(device)
+    critic_optim = None
+    if critic is not None:
+        critic, critic_optim, *_ = critic_booster.boost(critic, _optimizer(critic, kind))
+        _settle_comm(device)
+    ref, *_ = actor_booster.boost(ref)
+    _settle_comm(device)
+    reward, *_ = critic_booster.boost(reward)
+    _settle_comm(device)
+    ref.eval()
+    reward.eval()
+    return BoostedModels(actor, actor_optim, actor_booster, critic, critic_optim, critic_booster, ref, reward)
+
+
 def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
     """Build the four boosted models and run one PPO iteration under ``rec``; returns losses and settings."""
-    from colossalai.booster import Booster
 
     if device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise RuntimeError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (LowLevelZero and Gemini "
@@ -125,27 +176,10 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
-        actor = build_causal_lm(pair.actor, scenario.get("actor_path")).to(dtype)
-        if lora_dim > 0:
-            actor = convert_to_lora(actor, pair, lora_dim, scenario.get("only_optimize_lora", False))
-        critic = _value_model(pair.critic, scenario.get("critic_path"), dtype)
-        if grad_ckpt:
-            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        ref = build_causal_lm(pair.actor, scenario.get("actor_path")).to(dtype)
-        reward = _value_model(pair.critic, scenario.get("critic_path"), dtype)
-        actor_booster = Booster(plugin=make_plugin(kind, dtype))
-        critic_booster = Booster(plugin=make_plugin(kind, dtype))
-        actor, actor_optim, *_ = actor_booster.boost(actor, _optimizer(actor, kind))
-        _settle_comm(device)
-        critic, critic_optim, *_ = critic_booster.boost(critic, _optimizer(critic, kind))
-        _settle_comm(device)
-        ref, *_ = actor_booster.boost(ref)
-        _settle_comm(device)
-        reward, *_ = critic_booster.boost(reward)
-        _settle_comm(device)
-        ref.eval()
-        reward.eval()
+        m = boost_models(scenario, pair, kind, dtype, device, lora_dim, grad_ckpt, with_critic=True)
+        actor, actor_optim, actor_booster = m.actor, m.actor_optim, m.actor_booster
+        critic, critic_optim, critic_booster = m.critic, m.critic_optim, m.critic_booster
+        ref, reward = m.ref, m.reward
         hooks.at("init")
 
     prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)

@@ -16,15 +16,14 @@ import torch
 
 from ..memory.capture import Recorder
 from . import critic_free, ppo
-from .colossalchat import STRATEGY_PLUGINS, _optimizer, _settle_comm, _tensors, _value_model, make_plugin
-from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
-from .models import build_causal_lm, get_pair
+from .colossalchat import STRATEGY_PLUGINS, _tensors, boost_models
+from .common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
+from .models import get_pair
 from .scenario import DEFAULT_GROUP_SIZE, Scenario
 
 
 def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
     """One ReMax or GRPO iteration under ``rec``; returns the loss and settings (``critic_built`` False)."""
-    from colossalai.booster import Booster
 
     pair = get_pair(scenario.models)
     kind, grad_ckpt = STRATEGY_PLUGINS[scenario.strategy]
@@ -41,23 +40,8 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
     hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
-        actor = build_causal_lm(pair.actor, scenario.get("actor_path")).to(dtype)
-        if lora_dim > 0:
-            actor = convert_to_lora(actor, pair, lora_dim, scenario.get("only_optimize_lora", False))
-        if grad_ckpt:
-            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        ref = build_causal_lm(pair.actor, scenario.get("actor_path")).to(dtype)
-        reward = _value_model(pair.critic, scenario.get("critic_path"), dtype)
-        actor_booster = Booster(plugin=make_plugin(kind, dtype))
-        reward_booster = Booster(plugin=make_plugin(kind, dtype))
-        actor, actor_optim, *_ = actor_booster.boost(actor, _optimizer(actor, kind))
-        _settle_comm(device)
-        ref, *_ = actor_booster.boost(ref)
-        _settle_comm(device)
-        reward, *_ = reward_booster.boost(reward)
-        _settle_comm(device)
-        ref.eval()
-        reward.eval()
+        m = boost_models(scenario, pair, kind, dtype, device, lora_dim, grad_ckpt, with_critic=False)
+        actor, actor_optim, actor_booster, ref, reward = m.actor, m.actor_optim, m.actor_booster, m.ref, m.reward
         hooks.at("init")
 
     prompts, prompt_mask, pad_id = random_prompts(pair, prompts_n, prompt_len, device)

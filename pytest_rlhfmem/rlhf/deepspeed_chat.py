@@ -21,7 +21,7 @@ from ..memory.capture import Recorder
 from ..placement import deepspeed_offloaded_tensors
 from . import ppo
 from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
-from .models import ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
+from .models import ModelPair, ModelSpec, build_base_model, build_causal_lm, get_pair, output_width
 from .scenario import Scenario
 
 # strategy -> (actor/critic ZeRO stage, CPU offload, gradient checkpointing)
@@ -205,6 +205,39 @@ def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
 # One iteration
 # ---------------------------------------------------------------------------------------------------
 
+def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train_cfg: dict, eval_cfg: dict,
+                       dtype: torch.dtype, device: str, lora_dim: int, only_lora: bool) -> tuple[Any, Any]:
+    """The actor's and the reference's DeepSpeed engines (``rlhf_engine.py``: ``_init_actor``, ``_init_ref``):
+    the actor with LoRA when ``lora_dim > 0`` and its optimizer (DeepSpeedCPUAdam under offload), the
+    reference on the eval config (stage 3 only if the actor is). Offloaded buffers are declared
+    host-resident (``Recorder.host_resident``)."""
+    import deepspeed
+
+    stage, offload, _ = STRATEGY_SETTINGS[scenario.strategy]
+    actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype)
+    if lora_dim > 0:
+        actor = convert_to_lora(actor, pair, lora_dim, only_lora)
+    actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
+                                            config=train_cfg)
+    rec.host_resident(offloaded_tensors(actor_engine, offload))
+    ref = create_hf_model(pair.actor, eval_cfg, scenario.get("actor_path"), dtype)
+    ref_engine, *_ = deepspeed.initialize(model=ref, config=eval_cfg)
+    rec.host_resident(offloaded_tensors(ref_engine, offload and stage == 3))
+    return actor_engine, ref_engine
+
+
+def init_reward(scenario: Scenario, pair: ModelPair, rec: Recorder, reward_cfg: dict, dtype: torch.dtype) -> Any:
+    """The reward model's engine (``rlhf_engine.py``: ``_init_reward``): the critic's architecture on the
+    eval config, stage 3 only if the critic is."""
+    import deepspeed
+
+    stage, offload, _ = STRATEGY_SETTINGS[scenario.strategy]
+    reward = create_critic_model(pair.critic, reward_cfg, scenario.get("critic_path"), dtype)
+    reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
+    rec.host_resident(offloaded_tensors(reward_engine, offload and stage == 3))
+    return reward_engine
+
+
 def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
     """Build the four engines and run one PPO iteration under ``rec``; returns losses and settings.
     ReMax, GRPO and Hydra-PPO run in :mod:`.deepspeed_chat_methods`."""
@@ -232,17 +265,8 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
-        # actor (rlhf_engine.py: _init_actor)
-        actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype)
-        if lora_dim > 0:
-            actor = convert_to_lora(actor, pair, lora_dim, only_lora)
-        actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
-                                                config=train_cfg)
-        rec.host_resident(offloaded_tensors(actor_engine, offload))
-        # reference (_init_ref): eval config, stage 3 only if the actor is
-        ref = create_hf_model(pair.actor, eval_cfg, scenario.get("actor_path"), dtype)
-        ref_engine, *_ = deepspeed.initialize(model=ref, config=eval_cfg)
-        rec.host_resident(offloaded_tensors(ref_engine, offload and ref_stage == 3))
+        actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
+                                                      lora_dim, only_lora)
         # critic (_init_critic): gradient checkpointing from the start
         critic = create_critic_model(pair.critic, train_cfg, scenario.get("critic_path"), dtype)
         if lora_only:
@@ -252,11 +276,9 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
         critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=make_optimizer(critic, offload, device),
                                                  config=train_cfg)
         rec.host_resident(offloaded_tensors(critic_engine, offload))
-        # reward (_init_reward)
-        reward_cfg = get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets)
-        reward = create_critic_model(pair.critic, reward_cfg, scenario.get("critic_path"), dtype)
-        reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
-        rec.host_resident(offloaded_tensors(reward_engine, offload and reward_stage == 3))
+        reward_engine = init_reward(scenario, pair, rec,
+                                    get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets),
+                                    dtype)
         hooks.at("init")
 
     prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # left-padded

@@ -28,10 +28,10 @@ import torch
 
 from ..memory.capture import Recorder
 from . import critic_free, ppo
-from .common import FaultHooks, convert_to_lora, maybe_flush, random_prompts, resolve_dtype
+from .common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
 from .deepspeed_chat import (
-    STRATEGY_SETTINGS, create_critic_model, create_hf_model, get_eval_ds_config, get_train_ds_config,
-    make_optimizer, offloaded_tensors, optimizer_state_summary,
+    STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config,
+    init_actor_and_ref, init_reward, make_optimizer, offloaded_tensors, optimizer_state_summary,
 )
 from .models import ModelPair, build_causal_lm, get_pair, output_width
 from .scenario import DEFAULT_GROUP_SIZE, Scenario
@@ -97,7 +97,6 @@ def _settings(scenario: Scenario, device: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------
 
 def _critic_free(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
-    import deepspeed
 
     st = _settings(scenario, device)
     pair, dtype, prompt_len, answer_len, lora_dim = (st["pair"], st["dtype"], st["prompt_len"], st["answer_len"],
@@ -115,19 +114,11 @@ def _critic_free(scenario: Scenario, rec: Recorder, device: str, rank: int, worl
     hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
-        actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype)
-        if lora_dim > 0:
-            actor = convert_to_lora(actor, pair, lora_dim, only_lora)
-        actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
-                                                config=train_cfg)
-        rec.host_resident(offloaded_tensors(actor_engine, offload))
-        ref = create_hf_model(pair.actor, eval_cfg, scenario.get("actor_path"), dtype)
-        ref_engine, *_ = deepspeed.initialize(model=ref, config=eval_cfg)
-        rec.host_resident(offloaded_tensors(ref_engine, offload and ref_stage == 3))
-        reward_cfg = get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets)
-        reward = create_critic_model(pair.critic, reward_cfg, scenario.get("critic_path"), dtype)
-        reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
-        rec.host_resident(offloaded_tensors(reward_engine, offload and reward_stage == 3))
+        actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
+                                                      lora_dim, only_lora)
+        reward_engine = init_reward(scenario, pair, rec,
+                                    get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets),
+                                    dtype)
         hooks.at("init")
 
     prompts, prompt_mask, pad_id = random_prompts(pair, st["batch"], prompt_len, device)

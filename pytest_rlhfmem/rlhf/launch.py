@@ -107,17 +107,27 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         cmd.append("--no-capture")
     cmd += ["--cuda-emulation", cuda_emulation]
     log_path = work / "launcher.log"
+    returncode, timed_out = run_process_group(cmd, log_path, _worker_env(device, scenario.get("threads", 1)),
+                                              timeout, work)
+    return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+
+
+def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float, work: Path,
+                      cwd: str | Path | None = None) -> tuple[int, bool]:
+    """Run ``cmd`` (a torchrun line or a user's command) in its own session, stdout and stderr to
+    ``log_path``; at ``timeout`` seconds terminate the whole group (SIGTERM, then SIGKILL after 15 s).
+    Afterwards kill any worker group still alive (each rank announces its pid in ``work``'s progress
+    files). Returns ``(returncode, timed_out)``; raises ``OSError`` when ``cmd`` cannot start."""
     timed_out = False
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=_worker_env(device, scenario.get("threads", 1)))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             _terminate(proc)
     _kill_leftover_workers(work)
-    return aggregate(scenario, device, work, proc.returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+    return proc.returncode, timed_out
 
 
 FRAMEWORK_PACKAGES = {

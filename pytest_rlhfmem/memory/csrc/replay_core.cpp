@@ -1,0 +1,797 @@
+// The compiled replay engine: memory/allocator.py's DEFAULT path and memory/replay.py's free-running loop,
+// function for function, for the 1M-events-per-second target of issue 9 (item 5).
+//
+// ONE source of behaviour: memory/allocator.py is the readable reference and the property tests
+// (tests/test_replay_core.py) hold this file to it, metric for metric and cudaMalloc for cudaMalloc. Both
+// follow c10/cuda/CUDACachingAllocator.cpp of pytorch/pytorch (2.5-2.9): the functions below keep
+// PyTorch's names (malloc, get_free_block, should_split, alloc_found_block, alloc_block, free_block,
+// try_merge_blocks, release_block, release_blocks, release_cached_blocks, release_available_cached_blocks,
+// garbage_collect_cached_blocks, round_size, get_allocation_size) and each names the Python method it
+// mirrors. Every size is in bytes.
+//
+// What this engine covers (memory/replay_engine.py::engine_for says which replays take it and why):
+// the small and large default pools, round_size with roundup_power2_divisions, max_split_size,
+// max_non_split_rounding_size, garbage_collection_threshold, the miss path with its retry and OOM
+// against a capacity, FLUSH events and recorded empty_cache() batches (release_cached_blocks), segments
+// that existed before the trace, phase windows and the MetricsCollector figures. Not covered (the Python
+// model replays them): expandable segments, private pools (POOL_* events), anchored mode, the per-event
+// series and the replayed-events output.
+//
+// Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_import_segment, rc_run,
+// rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
+// documents.
+
+#include <cstdint>
+#include <cstring>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+using i64 = int64_t;
+
+constexpr i64 MiB = 1024 * 1024;
+// Constants of CUDACachingAllocator.cpp (allocator.py's module constants).
+constexpr i64 kMinBlockSize = 512;
+constexpr i64 kSmallSize = 1 * MiB;
+constexpr i64 kSmallBuffer = 2 * MiB;
+constexpr i64 kLargeBuffer = 20 * MiB;
+constexpr i64 kMinLargeAlloc = 10 * MiB;
+constexpr i64 kRoundLarge = 2 * MiB;
+constexpr int kRoundUpPowerOfTwoIntervals = 16;
+constexpr i64 UNLIMITED = INT64_MAX;
+constexpr i64 NONE = INT64_MIN;  // Python's None in the result array
+
+// Action codes: the index of each action in memory/replay_engine.py's ACTIONS.
+enum Action : uint8_t {
+  A_ALLOC = 0, A_FREE, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP, A_SEGMENT_UNMAP, A_OOM,
+  A_POOL_ENTER, A_POOL_EXIT, A_POOL_RELEASE, A_PHASE, A_PHASE_END, A_FLUSH, A_OTHER
+};
+
+struct BlockPool;
+
+// struct Block (allocator.py: Block). Mapped always: no expandable segments here.
+struct Block {
+  i64 stream, size, requested_size = 0, address;
+  BlockPool* pool;
+  bool allocated = false;
+  Block* prev = nullptr;
+  Block* next = nullptr;
+  i64 gc_count_base = 0;
+  Block(i64 stream_, i64 size_, BlockPool* pool_, i64 address_)
+      : stream(stream_), size(size_), address(address_), pool(pool_) {}
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+};
+
+// BlockComparatorSize: (stream, size, address), as BlockPool.blocks is sorted in allocator.py.
+struct BlockComparatorSize {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    if (a->size != b->size) return a->size < b->size;
+    return a->address < b->address;
+  }
+};
+
+// struct BlockPool (allocator.py: BlockPool; insert_into_blocks / erase).
+struct BlockPool {
+  bool is_small;
+  std::set<Block*, BlockComparatorSize> blocks;
+  i64 get_free_blocks_call_count = 0;
+  explicit BlockPool(bool small) : is_small(small) {}
+  void insert_into_blocks(Block* b) {
+    blocks.insert(b);
+    b->gc_count_base = get_free_blocks_call_count;
+  }
+  void erase(Block* b) { blocks.erase(b); }
+};
+
+// AllocatorStats (allocator.py).
+struct Stats {
+  i64 allocated_bytes = 0, requested_bytes = 0, reserved_bytes = 0, inactive_split_bytes = 0;
+  i64 peak_allocated_bytes = 0, peak_reserved_bytes = 0, num_alloc_retries = 0, num_ooms = 0;
+  i64 num_device_alloc = 0, num_device_free = 0, num_allocs = 0, num_frees = 0;
+};
+
+// WindowMetrics (metrics.py); optional fields hold NONE.
+struct Window {
+  i64 peak_reserved = 0, peak_allocated = 0, fragmentation_at_peak = NONE, max_fragmentation = 0;
+  i64 inactive_split_at_peak = NONE, cuda_malloc_count = 0, cuda_free_count = 0, alloc_retries = 0, ooms = 0;
+  i64 events = 0, start_us = 0, end_us = 0, phase_event = -1;  // phase_event: index of its PHASE event
+};
+constexpr int kWindowFields = 13;
+
+// MetricsCollector (metrics.py) without the series (a replay recording series takes the Python engine).
+struct Collector {
+  Window total;
+  std::vector<Window> phases;
+  Window* current = nullptr;
+  i64 peak_phase = -1;  // index into phases, -1 = None
+
+  void begin_phase(i64 phase_event, i64 reserved, i64 allocated, i64 time_us) {
+    if (current) current->end_us = time_us;
+    Window w;
+    w.peak_reserved = reserved;
+    w.peak_allocated = allocated;
+    w.start_us = w.end_us = time_us;
+    w.phase_event = phase_event;
+    phases.push_back(w);
+    current = &phases.back();
+    if (total.start_us == 0) total.start_us = time_us;
+  }
+  void on_cuda_malloc(i64 size, i64 reserved_after, i64 allocated, i64 inactive_split) {
+    i64 frag = reserved_after - size - allocated;
+    if (reserved_after > total.peak_reserved) peak_phase = current ? (i64)phases.size() - 1 : -1;
+    for (Window* w : {&total, current}) {
+      if (!w) continue;
+      w->cuda_malloc_count += 1;
+      if (frag > w->max_fragmentation) w->max_fragmentation = frag;
+      if (reserved_after > w->peak_reserved) {
+        w->peak_reserved = reserved_after;
+        w->fragmentation_at_peak = frag;
+        w->inactive_split_at_peak = inactive_split;
+      }
+    }
+  }
+  void on_cuda_free() {
+    total.cuda_free_count += 1;
+    if (current) current->cuda_free_count += 1;
+  }
+  void on_retry_or_oom(i64 retries, i64 ooms) {
+    for (Window* w : {&total, current}) {
+      if (!w) continue;
+      w->alloc_retries += retries;
+      w->ooms += ooms;
+    }
+  }
+  void after_event(i64 allocated, i64 time_us) {
+    for (Window* w : {&total, current}) {
+      if (!w) continue;
+      w->events += 1;
+      if (allocated > w->peak_allocated) w->peak_allocated = allocated;
+      if (time_us) w->end_us = time_us;
+    }
+  }
+};
+
+// One cudaMalloc/cudaFree decision, in order: kind 0 = segment_alloc, 1 = segment_free opening a batch,
+// 2 = segment_free continuing the batch (replay.py's segment_allocs / segment_free_batches).
+struct Decision { i64 kind, address, size; };
+
+struct FlushRecord { i64 event, phase, released_bytes, segments_released, requested_before, requested_after; };
+
+// CachingAllocatorModel (allocator.py) for one device, plus replay.py's loop state.
+struct Model {
+  // config
+  i64 max_split_size = UNLIMITED, max_non_split_rounding_size = kLargeBuffer;
+  i64 roundup_power2_divisions[kRoundUpPowerOfTwoIntervals] = {0};
+  bool power2_rounding = false;
+  double garbage_collection_threshold = 0.0;
+  i64 capacity = -1;  // -1 = unlimited (None)
+
+  BlockPool small_blocks{true}, large_blocks{false};
+  std::unordered_map<i64, Block*> active_blocks;  // model address -> allocated block
+  Stats st;
+  i64 next_synthetic_address = (i64)1 << 56;
+  std::vector<Block*> all_blocks;  // ownership (blocks are never reused; freed at rc_free)
+
+  // replay state
+  Collector collector;
+  std::vector<Decision> decisions;
+  bool last_was_free = false;
+  std::vector<FlushRecord> flushes;
+  std::vector<i64> flush_points;
+  std::vector<i64> requested_at_end;  // pairs (phase window index, requested bytes)
+  i64 unmatched_frees = 0, oom_mismatches = 0, flush_frees = 0, error = 0, error_event = -1;
+
+  ~Model() {
+    for (Block* b : all_blocks) delete b;
+  }
+  Block* new_block(i64 stream, i64 size, BlockPool* pool, i64 address) {
+    Block* b = new Block(stream, size, pool, address);
+    all_blocks.push_back(b);
+    return b;
+  }
+
+  // -- sizes (allocator.py: round_size, get_allocation_size, get_pool) ----------------------------
+
+  static bool is_power_of_2(i64 v) { return v > 0 && (v & (v - 1)) == 0; }
+  static int bit_length(i64 v) { return v <= 0 ? 0 : 64 - __builtin_clzll((unsigned long long)v); }
+
+  // roundup_power2_next_division
+  static i64 roundup_power2_next_division(i64 size, i64 divisions) {
+    if (is_power_of_2(size)) return size;
+    i64 power2_floor = (i64)1 << (bit_length(size) - 1);
+    i64 power2_division = power2_floor >> (bit_length(divisions) - 1);
+    if (power2_division == 0) return power2_floor << 1;
+    i64 round_size_floor = size & ~(power2_division - 1);
+    return round_size_floor == size ? size : round_size_floor + power2_division;
+  }
+
+  // AllocatorConfig.roundup_divisions_for
+  i64 roundup_divisions_for(i64 size) const {
+    int log_size = bit_length(size) - 1;
+    int index = log_size > 20 ? log_size - 20 : 0;
+    if (index > kRoundUpPowerOfTwoIntervals - 1) index = kRoundUpPowerOfTwoIntervals - 1;
+    return roundup_power2_divisions[index];
+  }
+
+  // round_size
+  i64 round_size(i64 size) const {
+    if (size < kMinBlockSize) return kMinBlockSize;
+    if (power2_rounding) {
+      i64 divisions = roundup_divisions_for(size);
+      if (divisions > 1 && size > kMinBlockSize * divisions) return roundup_power2_next_division(size, divisions);
+    }
+    return kMinBlockSize * ((size + kMinBlockSize - 1) / kMinBlockSize);
+  }
+
+  // get_allocation_size
+  static i64 get_allocation_size(i64 size) {
+    if (size <= kSmallSize) return kSmallBuffer;
+    if (size < kMinLargeAlloc) return kLargeBuffer;
+    return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
+  }
+
+  // get_pool (no private pools here)
+  BlockPool& get_pool(i64 size) { return size <= kSmallSize ? small_blocks : large_blocks; }
+
+  bool gc_enabled() const { return garbage_collection_threshold > 0.0 && capacity >= 0; }
+
+  // -- the allocation path ----------------------------------------------------------------------
+
+  // malloc: returns the allocated block, or nullptr for an OOM (allocator.py raises OutOfMemoryError).
+  Block* malloc(i64 orig_size, i64 stream) {
+    i64 size = round_size(orig_size);
+    BlockPool& pool = get_pool(size);
+    i64 alloc_size = get_allocation_size(size);
+    Block* block = get_free_block(pool, size, stream);
+    if (!block) {
+      if (gc_enabled()) garbage_collect_cached_blocks();
+      block = alloc_block(pool, size, alloc_size, stream, false);
+      if (!block && release_available_cached_blocks(pool, size, stream))
+        block = alloc_block(pool, size, alloc_size, stream, false);
+      if (!block && release_cached_blocks()) block = alloc_block(pool, size, alloc_size, stream, true);
+      if (!block) {
+        st.num_ooms += 1;
+        return nullptr;
+      }
+    }
+    return alloc_found_block(block, size, orig_size, should_split(block, size));
+  }
+
+  // _find_free_block: the block get_free_block would take, or end().
+  std::set<Block*, BlockComparatorSize>::iterator find_free_block(BlockPool& pool, i64 size, i64 stream) {
+    Block key(stream, size, &pool, 0);
+    auto it = pool.blocks.lower_bound(&key);
+    if (it == pool.blocks.end() || (*it)->stream != stream) return pool.blocks.end();
+    i64 found = (*it)->size;
+    if (size < max_split_size && found >= max_split_size) return pool.blocks.end();
+    if (size >= max_split_size && found >= size + max_non_split_rounding_size) return pool.blocks.end();
+    return it;
+  }
+
+  // get_free_block
+  Block* get_free_block(BlockPool& pool, i64 size, i64 stream) {
+    if (gc_enabled()) pool.get_free_blocks_call_count += 1;
+    auto it = find_free_block(pool, size, stream);
+    if (it == pool.blocks.end()) return nullptr;
+    Block* b = *it;
+    pool.blocks.erase(it);
+    return b;
+  }
+
+  // can_serve_from_cache
+  bool can_serve_from_cache(i64 orig_size, i64 stream) {
+    i64 size = round_size(orig_size);
+    BlockPool& pool = get_pool(size);
+    return find_free_block(pool, size, stream) != pool.blocks.end();
+  }
+
+  // should_split
+  bool should_split(const Block* block, i64 size) const {
+    i64 remaining = block->size - size;
+    if (block->pool->is_small) return remaining >= kMinBlockSize;
+    return size < max_split_size && remaining > kSmallSize;
+  }
+
+  // alloc_found_block
+  Block* alloc_found_block(Block* block, i64 size, i64 orig_size, bool split_remainder) {
+    bool already_split = block->is_split();
+    if (split_remainder) {
+      Block* remaining = block;
+      block = new_block(remaining->stream, size, remaining->pool, remaining->address);
+      block->prev = remaining->prev;
+      if (block->prev) block->prev->next = block;
+      block->next = remaining;
+      remaining->prev = block;
+      remaining->address += size;
+      remaining->size -= size;
+      remaining->pool->insert_into_blocks(remaining);
+      if (already_split) {
+        st.inactive_split_bytes -= block->size;
+      } else {
+        st.inactive_split_bytes += remaining->size;
+      }
+    } else if (already_split) {
+      st.inactive_split_bytes -= block->size;
+    }
+    block->allocated = true;
+    block->requested_size = orig_size;
+    active_blocks[block->address] = block;
+    st.allocated_bytes += block->size;
+    st.requested_bytes += orig_size;
+    st.num_allocs += 1;
+    if (st.allocated_bytes > st.peak_allocated_bytes) st.peak_allocated_bytes = st.allocated_bytes;
+    return block;
+  }
+
+  // _new_address (free-running: synthetic addresses only)
+  i64 new_address(i64 span) {
+    i64 address = next_synthetic_address;
+    next_synthetic_address += span + kRoundLarge;
+    return address;
+  }
+
+  // alloc_block: one cudaMalloc of alloc_size bytes; nullptr if the device refuses.
+  Block* alloc_block(BlockPool& pool, i64 size, i64 alloc_size, i64 stream, bool is_retry) {
+    (void)size;
+    if (is_retry) st.num_alloc_retries += 1;
+    if (capacity >= 0 && st.reserved_bytes + alloc_size > capacity) return nullptr;
+    i64 address = new_address(alloc_size);
+    Block* block = new_block(stream, alloc_size, &pool, address);
+    st.reserved_bytes += alloc_size;
+    st.num_device_alloc += 1;
+    if (st.reserved_bytes > st.peak_reserved_bytes) st.peak_reserved_bytes = st.reserved_bytes;
+    on_segment_alloc(address, alloc_size);
+    return block;
+  }
+
+  // -- the free path ----------------------------------------------------------------------------
+
+  // free (DeviceCachingAllocator::free without stream events); false for a double free.
+  bool free(Block* block) {
+    if (!block->allocated) return false;
+    active_blocks.erase(block->address);
+    st.allocated_bytes -= block->size;
+    st.requested_bytes -= block->requested_size;
+    st.num_frees += 1;
+    block->allocated = false;
+    free_block(block);
+    return true;
+  }
+
+  // free_block
+  void free_block(Block* block) {
+    BlockPool* pool = block->pool;
+    for (Block* candidate : {block->prev, block->next}) {
+      i64 subsumed = try_merge_blocks(block, candidate, *pool);
+      if (subsumed) st.inactive_split_bytes -= subsumed;
+    }
+    pool->insert_into_blocks(block);
+    if (block->is_split()) st.inactive_split_bytes += block->size;
+  }
+
+  // try_merge_blocks: fold free src into dst; the bytes subsumed (0 if none).
+  i64 try_merge_blocks(Block* dst, Block* src, BlockPool& pool) {
+    if (!src || src->allocated) return 0;
+    if (dst->prev == src) {  // [src dst]
+      dst->address = src->address;
+      dst->prev = src->prev;
+      if (dst->prev) dst->prev->next = dst;
+    } else {  // [dst src]
+      dst->next = src->next;
+      if (dst->next) dst->next->prev = dst;
+    }
+    i64 subsumed = src->size;
+    dst->size += subsumed;
+    pool.erase(src);
+    return subsumed;
+  }
+
+  // -- releasing cached memory -----------------------------------------------------------------
+
+  // release_block: cudaFree a whole free segment.
+  void release_block(Block* block) {
+    block->pool->erase(block);
+    st.reserved_bytes -= block->size;
+    st.num_device_free += 1;
+    on_segment_free(block->address, block->size);
+  }
+
+  // release_blocks: every unsplit free block of the pool, in pool order.
+  void release_blocks(BlockPool& pool) {
+    std::vector<Block*> ordered(pool.blocks.begin(), pool.blocks.end());
+    for (Block* b : ordered)
+      if (!b->prev && !b->next) release_block(b);
+  }
+
+  // release_cached_blocks (the default id, no diversion to a pool): large pool, then small pool.
+  bool release_cached_blocks() {
+    release_blocks(large_blocks);
+    release_blocks(small_blocks);
+    return true;
+  }
+
+  // release_available_cached_blocks: free oversize (>= max_split_size) blocks; only with max_split_size set.
+  bool release_available_cached_blocks(BlockPool& pool, i64 size, i64 stream) {
+    i64 ms = max_split_size;
+    if (ms == UNLIMITED) return false;
+    i64 key_size = size < ms ? ms : size;
+    Block key(stream, key_size, &pool, 0);
+    auto it = pool.blocks.lower_bound(&key);
+    if (it == pool.blocks.end() || (*it)->stream != stream) {
+      if (it == pool.blocks.begin()) return false;
+      i64 total_released = 0;
+      --it;
+      while (total_released < key_size && (*it)->size >= ms && (*it)->stream == stream) {
+        Block* cur = *it;
+        bool is_first = it == pool.blocks.begin();
+        if (!is_first) --it;
+        total_released += cur->size;
+        release_block(cur);
+        if (is_first) break;
+      }
+      if (total_released < key_size) return false;
+    } else {
+      release_block(*it);
+    }
+    return true;
+  }
+
+  // garbage_collect_cached_blocks: free unsplit large blocks older than the average age.
+  void garbage_collect_cached_blocks() {
+    // int(threshold * capacity), as Python's int() truncates the float product
+    i64 gc_threshold = (i64)(garbage_collection_threshold * (double)capacity);
+    if (st.reserved_bytes <= gc_threshold) return;
+    i64 target_size = st.reserved_bytes - gc_threshold;
+    BlockPool& pool = large_blocks;
+    auto gc_count = [&pool](const Block* b) { return pool.get_free_blocks_call_count - b->gc_count_base; };
+    i64 total_age = 0, count = 0;
+    for (Block* b : pool.blocks)
+      if (!b->is_split()) {
+        total_age += gc_count(b);
+        count += 1;
+      }
+    if (count == 0) return;
+    i64 reclaimed = 0;
+    bool block_freed = true;
+    while (reclaimed < target_size && block_freed && count > 0) {
+      double age_threshold = (double)total_age / (double)count;
+      block_freed = false;
+      std::vector<Block*> ordered(pool.blocks.begin(), pool.blocks.end());
+      for (Block* b : ordered) {
+        if (!b->is_split() && (double)gc_count(b) >= age_threshold) {
+          block_freed = true;
+          reclaimed += b->size;
+          total_age -= gc_count(b);
+          count -= 1;
+          release_block(b);
+        }
+      }
+    }
+  }
+
+  // -- import_segment (a segment that existed before the trace) --------------------------------
+
+  // pieces: (address, size, requested) with requested < 0 for a free gap; sorted, validated by Python.
+  void import_segment(i64 address, i64 total_size, i64 stream, bool is_small, i64 n, const i64* pieces) {
+    BlockPool& pool = is_small ? small_blocks : large_blocks;
+    st.reserved_bytes += total_size;
+    if (st.reserved_bytes > st.peak_reserved_bytes) st.peak_reserved_bytes = st.reserved_bytes;
+    (void)address;
+    Block* prev = nullptr;
+    std::vector<Block*> segment;
+    for (i64 k = 0; k < n; ++k) {
+      Block* b = new_block(stream, pieces[3 * k + 1], &pool, pieces[3 * k]);
+      b->prev = prev;
+      if (prev) prev->next = b;
+      prev = b;
+      if (pieces[3 * k + 2] >= 0) {
+        b->allocated = true;
+        b->requested_size = pieces[3 * k + 2];
+        active_blocks[b->address] = b;
+        st.allocated_bytes += b->size;
+        st.requested_bytes += b->requested_size;
+      }
+      segment.push_back(b);
+    }
+    if (st.allocated_bytes > st.peak_allocated_bytes) st.peak_allocated_bytes = st.allocated_bytes;
+    for (Block* b : segment) {
+      if (!b->allocated) {
+        pool.insert_into_blocks(b);
+        if (b->is_split()) st.inactive_split_bytes += b->size;
+      }
+    }
+  }
+
+  // -- replay.py's observers --------------------------------------------------------------------
+
+  void on_segment_alloc(i64 address, i64 size) {
+    decisions.push_back({0, address, size});
+    last_was_free = false;
+    collector.on_cuda_malloc(size, st.reserved_bytes, st.allocated_bytes, st.inactive_split_bytes);
+  }
+  void on_segment_free(i64 address, i64 size) {
+    decisions.push_back({last_was_free ? 2 : 1, address, size});
+    last_was_free = true;
+    collector.on_cuda_free();
+  }
+
+  // -- replay.py: replay() in free-running mode -------------------------------------------------
+
+  // _recorded_release_batches: for each batch start, the index of the ALLOC/OOM that followed it or -1.
+  static std::unordered_map<i64, i64> recorded_release_batches(i64 n, const uint8_t* act) {
+    std::unordered_map<i64, i64> batches;
+    auto is_release = [](uint8_t a) { return a == A_SEGMENT_FREE || a == A_SEGMENT_UNMAP; };
+    i64 i = 0;
+    while (i < n) {
+      if (!is_release(act[i])) {
+        ++i;
+        continue;
+      }
+      i64 start = i;
+      while (i < n && is_release(act[i])) ++i;
+      i64 j = i;
+      bool created = false;
+      while (j < n && (act[j] == A_SEGMENT_ALLOC || act[j] == A_SEGMENT_MAP || act[j] == A_POOL_ENTER)) {
+        if (act[j] != A_POOL_ENTER) created = true;
+        ++j;
+      }
+      bool follower = j < n && (act[j] == A_OOM || (created && act[j] == A_ALLOC));
+      batches[start] = follower ? j : -1;
+    }
+    return batches;
+  }
+
+  // The loop of replay(); returns 0, or an error code (1 = double free, 2 = unsupported event).
+  int run(i64 n, const uint8_t* act, const i64* addr, const i64* size, const i64* stream, const i64* time_us) {
+    std::unordered_map<i64, Block*> live;  // recorded address -> model block
+    live.reserve(1024);
+    active_blocks.reserve(1024);
+    std::unordered_map<i64, i64> release_batches;
+    bool has_releases = false;
+    for (i64 i = 0; i < n && !has_releases; ++i)
+      has_releases = act[i] == A_SEGMENT_FREE || act[i] == A_SEGMENT_UNMAP;
+    if (has_releases) release_batches = recorded_release_batches(n, act);
+
+    for (i64 idx = 0; idx < n; ++idx) {
+      uint8_t action = act[idx];
+      switch (action) {
+        case A_ALLOC: {
+          i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
+          Block* block = malloc(size[idx], stream[idx]);
+          if (block) live[addr[idx]] = block;
+          if (st.num_alloc_retries != retries || st.num_ooms != ooms)
+            collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
+          last_was_free = false;
+          collector.after_event(st.allocated_bytes, time_us[idx]);
+          break;
+        }
+        case A_FREE: {
+          Block* block = nullptr;
+          auto it = live.find(addr[idx]);
+          if (it != live.end()) {
+            block = it->second;
+            live.erase(it);
+          } else {
+            auto ab = active_blocks.find(addr[idx]);  // allocated before the trace began
+            if (ab == active_blocks.end()) {
+              unmatched_frees += 1;
+              break;
+            }
+            block = ab->second;
+          }
+          if (!free(block)) {
+            error_event = idx;
+            return 1;
+          }
+          last_was_free = false;
+          collector.after_event(st.allocated_bytes, time_us[idx]);
+          break;
+        }
+        case A_OOM: {  // the recorded request that failed: the model must fail it too
+          i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
+          Block* block = malloc(size[idx], stream[idx]);
+          if (block) {
+            free(block);  // the program never got it
+            oom_mismatches += 1;
+          }
+          collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
+          last_was_free = false;
+          collector.after_event(st.allocated_bytes, time_us[idx]);
+          break;
+        }
+        case A_SEGMENT_ALLOC:
+        case A_SEGMENT_MAP:
+          break;  // free-running: the model decides its own segments
+        case A_SEGMENT_FREE:
+        case A_SEGMENT_UNMAP: {
+          auto it = release_batches.find(idx);
+          if (it == release_batches.end()) break;  // inside a batch already handled
+          i64 j = it->second;
+          if (j >= 0 && (act[j] == A_OOM || !can_serve_from_cache(size[j], stream[j]))) break;  // a retry
+          last_was_free = false;  // a user's torch.cuda.empty_cache()
+          release_cached_blocks();
+          flush_points.push_back(idx);
+          break;
+        }
+        case A_FLUSH: {
+          last_was_free = false;
+          i64 before = st.reserved_bytes, frees_before = st.num_device_free, requested_before = st.requested_bytes;
+          release_cached_blocks();
+          flush_frees += st.num_device_free - frees_before;
+          flushes.push_back({idx, collector.current ? (i64)collector.phases.size() - 1 : -1,
+                             before - st.reserved_bytes, st.num_device_free - frees_before, requested_before,
+                             st.requested_bytes});
+          if (st.reserved_bytes != before) flush_points.push_back(idx);
+          collector.after_event(st.allocated_bytes, time_us[idx]);
+          break;
+        }
+        case A_PHASE:
+          if (collector.current) requested_at_end.insert(requested_at_end.end(),
+                                                          {(i64)collector.phases.size() - 1, st.requested_bytes});
+          collector.begin_phase(idx, st.reserved_bytes, st.allocated_bytes, time_us[idx]);
+          break;
+        case A_PHASE_END:
+        case A_OTHER:
+          break;
+        default:  // POOL_* markers: the Python engine replays private pools
+          error_event = idx;
+          return 2;
+      }
+    }
+    if (collector.current)
+      requested_at_end.insert(requested_at_end.end(), {(i64)collector.phases.size() - 1, st.requested_bytes});
+    return 0;
+  }
+
+  // -- the result array ---------------------------------------------------------------------------
+
+  static void put_window(std::vector<i64>& out, const Window& w) {
+    i64 f[kWindowFields] = {w.peak_reserved, w.peak_allocated, w.fragmentation_at_peak, w.max_fragmentation,
+                            w.inactive_split_at_peak, w.cuda_malloc_count, w.cuda_free_count, w.alloc_retries,
+                            w.ooms, w.events, w.start_us, w.end_us, w.phase_event};
+    out.insert(out.end(), f, f + kWindowFields);
+  }
+
+  // Layout (every item an int64):
+  //   header[16]: error, error_event, final_reserved, final_allocated, final_requested, unmatched_frees,
+  //               oom_mismatches, num_device_free, flush_frees, peak_phase, n_phases, n_decisions,
+  //               n_flushes, n_flush_points, n_requested_at_end, num_device_alloc
+  //   total window[13], then n_phases windows[13]: peak_reserved, peak_allocated, fragmentation_at_peak,
+  //               max_fragmentation, inactive_split_at_peak, cuda_malloc_count, cuda_free_count,
+  //               alloc_retries, ooms, events, start_us, end_us, phase_event (INT64_MIN = None)
+  //   decisions[n_decisions][3]: kind (0 segment_alloc, 1 segment_free opening a batch, 2 continuing), address, size
+  //   flushes[n_flushes][6]: event, phase window (-1 none), released_bytes, segments_released,
+  //               requested_before, requested_after
+  //   flush_points[n_flush_points]
+  //   requested_at_end[n_requested_at_end][2]: phase window, requested bytes
+  std::vector<i64> result() const {
+    std::vector<i64> out = {error, error_event, st.reserved_bytes, st.allocated_bytes, st.requested_bytes,
+                            unmatched_frees, oom_mismatches, st.num_device_free, flush_frees,
+                            collector.peak_phase, (i64)collector.phases.size(), (i64)decisions.size(),
+                            (i64)flushes.size(), (i64)flush_points.size(), (i64)requested_at_end.size() / 2,
+                            st.num_device_alloc};
+    put_window(out, collector.total);
+    for (const Window& w : collector.phases) put_window(out, w);
+    for (const Decision& d : decisions) out.insert(out.end(), {d.kind, d.address, d.size});
+    for (const FlushRecord& f : flushes)
+      out.insert(out.end(), {f.event, f.phase, f.released_bytes, f.segments_released, f.requested_before,
+                             f.requested_after});
+    out.insert(out.end(), flush_points.begin(), flush_points.end());
+    out.insert(out.end(), requested_at_end.begin(), requested_at_end.end());
+    return out;
+  }
+};
+
+struct Handle {
+  Model model;
+  std::vector<i64> result;
+};
+
+}  // namespace
+
+extern "C" {
+
+// config[20]: max_split_size, max_non_split_rounding_size, capacity (-1 = unlimited), reserved,
+// roundup_power2_divisions[16]; gc_threshold separately (a double).
+void* rc_new(const int64_t* config, double garbage_collection_threshold) {
+  Handle* h = new Handle();
+  Model& m = h->model;
+  m.max_split_size = config[0];
+  m.max_non_split_rounding_size = config[1];
+  m.capacity = config[2];
+  for (int i = 0; i < kRoundUpPowerOfTwoIntervals; ++i) {
+    m.roundup_power2_divisions[i] = config[4 + i];
+    if (config[4 + i] > 1) m.power2_rounding = true;
+  }
+  m.garbage_collection_threshold = garbage_collection_threshold;
+  return h;
+}
+
+// pieces[n][3]: (address, size, requested size or -1 for a free gap), by address, covering the segment.
+void rc_import_segment(void* h, int64_t address, int64_t total_size, int64_t stream, int is_small, int64_t n,
+                       const int64_t* pieces) {
+  static_cast<Handle*>(h)->model.import_segment(address, total_size, stream, is_small != 0, n, pieces);
+}
+
+// Call after the imports: the collector starts from the imported reserved/allocated figures.
+// time_is_delta: time_us holds differences from the previous event (the .rlhftrace column); a prefix sum
+// is taken here. flush_at (sorted, n_flush of them): a FLUSH event is inserted before each of those
+// indices (the advisor's candidates), exactly as advise.with_flushes builds the event list.
+int rc_run(void* hp, int64_t n, const uint8_t* act, const int64_t* addr, const int64_t* size,
+           const int64_t* stream, const int64_t* time_us, int time_is_delta, int64_t n_flush,
+           const int64_t* flush_at) {
+  Handle* h = static_cast<Handle*>(hp);
+  Model& m = h->model;
+  m.collector.total.peak_reserved = m.st.reserved_bytes;
+  m.collector.total.peak_allocated = m.st.allocated_bytes;
+  std::vector<i64> t;
+  const i64* times = time_us;
+  if (time_is_delta) {
+    t.resize(n);
+    i64 acc = 0;
+    for (i64 i = 0; i < n; ++i) t[i] = acc += time_us[i];
+    times = t.data();
+  }
+  int rc;
+  if (n_flush == 0) {
+    rc = m.run(n, act, addr, size, stream, times);
+  } else {  // materialise the list with flushes, as with_flushes does
+    i64 total = n + n_flush;
+    std::vector<uint8_t> a2(total);
+    std::vector<i64> addr2(total), size2(total), stream2(total), time2(total);
+    i64 k = 0, o = 0;
+    for (i64 i = 0; i <= n; ++i) {
+      while (k < n_flush && flush_at[k] == i) {
+        a2[o] = A_FLUSH;
+        addr2[o] = size2[o] = stream2[o] = 0;
+        time2[o] = i > 0 ? times[i - 1] : 0;
+        ++o;
+        ++k;
+      }
+      if (i == n) break;
+      a2[o] = act[i];
+      addr2[o] = addr[i];
+      size2[o] = size[i];
+      stream2[o] = stream[i];
+      time2[o] = times[i];
+      ++o;
+    }
+    rc = m.run(total, a2.data(), addr2.data(), size2.data(), stream2.data(), time2.data());
+  }
+  m.error = rc;
+  h->result = m.result();
+  return rc;
+}
+
+int64_t rc_result_size(void* h) { return (int64_t) static_cast<Handle*>(h)->result.size(); }
+
+void rc_result_copy(void* h, int64_t* out) {
+  const std::vector<int64_t>& r = static_cast<Handle*>(h)->result;
+  std::memcpy(out, r.data(), r.size() * sizeof(int64_t));
+}
+
+void rc_free(void* h) { delete static_cast<Handle*>(h); }
+
+// infer_capacity (replay.py) on columns: the smallest recorded reserved + free bytes over the oom entries;
+// -1 when there is none. initial_reserved: the pre-existing segments' bytes.
+int64_t rc_infer_capacity(int64_t n, const uint8_t* act, const int64_t* addr, const int64_t* size,
+                          int64_t initial_reserved) {
+  int64_t reserved = initial_reserved, cap = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    uint8_t a = act[i];
+    if (a == A_SEGMENT_ALLOC || a == A_SEGMENT_MAP) {
+      reserved += size[i];
+    } else if (a == A_SEGMENT_FREE || a == A_SEGMENT_UNMAP) {
+      reserved -= size[i];
+    } else if (a == A_OOM && addr[i] > 0) {
+      int64_t c = reserved + addr[i];
+      if (cap < 0 || c < cap) cap = c;
+    }
+  }
+  return cap;
+}
+
+}  // extern "C"

@@ -513,6 +513,8 @@ def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace, res
         "capacity": result.capacity,
         "capacity_source": result.capacity_source,
         "capture": trace.capture,
+        "engine": result.engine,
+        "engine_reason": result.engine_reason,
         "recorded": {
             "segment_allocs": [s for _, s in rec.segment_allocs],
             "segment_free_batches": [[s for _, s in b] for b in rec.segment_free_batches],

@@ -401,3 +401,154 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         mode=FREE_RUNNING, unmatched_frees=unmatched, flush_points=flush_points, flushes=flushes,
         cuda_frees_outside_flushes=num_free - flush_frees, requested_at_phase_end=requested_at_end,
         capacity=capacity, oom_mismatches=oom_mismatches, engine=COMPILED)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Snapshot pickles to columns
+# ---------------------------------------------------------------------------------------------------
+
+# trace.py's _trace_from_snapshot: the entries kept and their actions (free_requested, snapshot, ... skipped).
+_KEPT = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC, SEGMENT_FREE: SEGMENT_FREE,
+         SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
+
+
+def columns_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
+                          source: str = "") -> TraceColumns:
+    """:func:`~.trace.trace_from_snapshot` as columns: the same events, initial segments and errors.
+
+    The lean path reads each field of the kept entries with ``operator.itemgetter`` straight into an
+    ``array('q')`` (no Event objects); an entry it cannot read that way (a missing ``stream``, a ``None``,
+    a negative number) or a snapshot with private pools takes ``trace_from_snapshot`` itself and
+    converts its Events. Raises :class:`~.trace.SnapshotError`.
+    """
+    import gc
+    from itertools import compress
+    from operator import itemgetter
+
+    from .allocator import AllocatorConfigError
+    from .trace import (
+        CAPTURE_CUDA, SnapshotError, _normalize_segment, _pick_device, _rebuild_initial_segments, trace_from_snapshot,
+    )
+
+    src = source or "snapshot"
+
+    def slow() -> TraceColumns:
+        return columns_from_trace(trace_from_snapshot(snap, device, config, source))
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dev = _pick_device(snap, device, src)
+        try:
+            cfg = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+            traces = snap.get("device_traces") or []
+            raw = (traces[dev] if dev < len(traces) else None) or []
+            segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
+        except (AllocatorConfigError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return slow()  # its error message
+        if any(s["segment_pool_id"] != DEFAULT_POOL for s in segments):
+            return slow()  # pool markers: placed from the Events
+        try:
+            names = list(map(itemgetter("action"), raw))
+            keep = [a in _KEPT for a in names]
+            kept = list(compress(raw, keep)) if not all(keep) else raw
+            acts = [_KEPT[a] for a in compress(names, keep)]
+            cols = [array("q", map(itemgetter(k), kept)) for k in ("addr", "size", "stream", "time_us")]
+        except (KeyError, TypeError, OverflowError):
+            return slow()
+        if any(c and min(c) < 0 for c in cols):
+            return slow()
+        addr, size, stream, time_us = cols
+        try:
+            initial = _rebuild_initial_segments([], segments, cfg, src, rows=zip(acts, addr, size, stream))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            if isinstance(exc, SnapshotError):
+                raise
+            return slow()
+        return TraceColumns(
+            action=bytes(map(CODE.__getitem__, acts)), addr=addr, size=size, stream=stream, time_us=time_us,
+            name=array("i", [-1]) * len(acts), names=[],
+            initial_segments=initial, final_segments=segments, allocator_settings=snap.get("allocator_settings"),
+            capture=CAPTURE_CUDA, source=src, device=dev)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+_RECORDED = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
+                                                                 OOM))) + b"]")
+_BATCH_BREAK = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (ALLOC, FREE, FLUSH))) + b"]")
+
+
+def recorded_summary_columns(cols: TraceColumns):
+    """:func:`~.replay.recorded_summary` on columns: visits only the segment and oom events (found by a
+    regular expression over the action codes, at C speed) and asks the same expression language whether
+    an alloc, free or flush lies between two segment_free events (which ends a batch)."""
+    from .replay import RecordedSummary
+
+    reserved = sum(s.total_size for s in cols.initial_segments)
+    initial = peak = reserved
+    allocs: list[tuple[int, int]] = []
+    maps: list[tuple[int, int]] = []
+    unmaps: list[tuple[int, int]] = []
+    batches: list[list[tuple[int, int]]] = []
+    last_free, ooms, prev = False, 0, -1
+    act, addr, size = cols.action, cols.addr, cols.size
+    c_alloc, c_free, c_map, c_unmap = (CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
+    for m in _RECORDED.finditer(act):
+        i = m.start()
+        if last_free and _BATCH_BREAK.search(act, prev + 1, i):
+            last_free = False
+        prev = i
+        a = act[i]
+        if a == c_map:
+            maps.append((addr[i], size[i]))
+            reserved += size[i]
+            peak = max(peak, reserved)
+        elif a == c_unmap:
+            unmaps.append((addr[i], size[i]))
+            reserved -= size[i]
+        elif a == c_alloc:
+            allocs.append((addr[i], size[i]))
+            reserved += size[i]
+            peak = max(peak, reserved)
+            last_free = False
+        elif a == c_free:
+            if not last_free:
+                batches.append([])
+                last_free = True
+            batches[-1].append((addr[i], size[i]))
+            reserved -= size[i]
+        else:
+            ooms += 1
+    fs = cols.final_segments
+    return RecordedSummary(
+        segment_allocs=allocs, segment_free_batches=batches, peak_reserved=peak,
+        final_reserved=sum(s["total_size"] for s in fs) if fs is not None else None,
+        final_allocated=sum(s["allocated_size"] for s in fs) if fs is not None else None,
+        initial_reserved=initial, segment_maps=maps, segment_unmaps=unmaps, ooms=ooms,
+    )
+
+
+def load_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, AllocatorConfig]:
+    """``rlhfmem replay``'s input as columns, with the recorded allocator settings: an ``.rlhftrace`` file
+    (``trace_io.load_columns``) or a snapshot pickle (:func:`columns_from_snapshot`; blocks that existed
+    before the trace are sized with the recorded settings, as they were allocated). Raises
+    :class:`~.trace.SnapshotError`, ``trace_io.TraceFileError`` or ``AllocatorConfigError``."""
+    from .allocator import AllocatorConfigError
+    from .trace import SnapshotError, load_snapshot
+    from .trace_io import is_trace_file, load_columns
+
+    if is_trace_file(path):
+        cols = load_columns(path)
+        cols.source = cols.source or path
+        try:
+            return cols, AllocatorConfig.from_snapshot_settings(cols.allocator_settings)
+        except (AllocatorConfigError, AttributeError, TypeError) as exc:
+            raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
+    snap = load_snapshot(path)
+    try:
+        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+    except (AllocatorConfigError, AttributeError, TypeError) as exc:
+        raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
+    return columns_from_snapshot(snap, device, recorded_config, path), recorded_config

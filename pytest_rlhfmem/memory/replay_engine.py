@@ -195,7 +195,7 @@ def load_library() -> ctypes.CDLL:
         lib.rc_result_size.argtypes, lib.rc_result_size.restype = [p], i64
         lib.rc_result_copy.argtypes, lib.rc_result_copy.restype = [p, p], None
         lib.rc_free.argtypes, lib.rc_free.restype = [p], None
-        lib.rc_infer_capacity.argtypes, lib.rc_infer_capacity.restype = [p, p, p, p, i64], i64
+        lib.rc_infer_capacity.argtypes, lib.rc_infer_capacity.restype = [i64, p, p, p, i64, p], i32
         _lib = lib
     return _lib
 
@@ -276,8 +276,10 @@ def infer_capacity_columns(cols: TraceColumns) -> int | None:
         from .replay import infer_capacity
 
         return infer_capacity(cols.to_trace())
-    cap = load_library().rc_infer_capacity(len(cols), _buf(cols.action), _buf(cols.addr), _buf(cols.size), initial)
-    return None if cap < 0 else cap
+    cap = array("q", [0])
+    found = load_library().rc_infer_capacity(len(cols), _buf(cols.action), _buf(cols.addr), _buf(cols.size), initial,
+                                             _buf(cap))
+    return cap[0] if found else None
 
 
 def _segment_pieces(seg: SegmentState) -> array:
@@ -319,7 +321,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
 
     lib = load_library()
     cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
-                      -1 if capacity is None else capacity, 0])
+                      capacity or 0, int(capacity is not None)])
     cfg.extend(config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals])
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
     h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))

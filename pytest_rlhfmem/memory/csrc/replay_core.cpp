@@ -167,7 +167,8 @@ struct Model {
   i64 roundup_power2_divisions[kRoundUpPowerOfTwoIntervals] = {0};
   bool power2_rounding = false;
   double garbage_collection_threshold = 0.0;
-  i64 capacity = -1;  // -1 = unlimited (None)
+  i64 capacity = 0;
+  bool has_capacity = false;  // false = unlimited (None)
 
   BlockPool small_blocks{true}, large_blocks{false};
   std::unordered_map<i64, Block*> active_blocks;  // model address -> allocated block
@@ -236,7 +237,7 @@ struct Model {
   // get_pool (no private pools here)
   BlockPool& get_pool(i64 size) { return size <= kSmallSize ? small_blocks : large_blocks; }
 
-  bool gc_enabled() const { return garbage_collection_threshold > 0.0 && capacity >= 0; }
+  bool gc_enabled() const { return garbage_collection_threshold > 0.0 && has_capacity; }
 
   // -- the allocation path ----------------------------------------------------------------------
 
@@ -337,7 +338,7 @@ struct Model {
   Block* alloc_block(BlockPool& pool, i64 size, i64 alloc_size, i64 stream, bool is_retry) {
     (void)size;
     if (is_retry) st.num_alloc_retries += 1;
-    if (capacity >= 0 && st.reserved_bytes + alloc_size > capacity) return nullptr;
+    if (has_capacity && st.reserved_bytes + alloc_size > capacity) return nullptr;
     i64 address = new_address(alloc_size);
     Block* block = new_block(stream, alloc_size, &pool, address);
     st.reserved_bytes += alloc_size;
@@ -694,7 +695,7 @@ struct Handle {
 
 extern "C" {
 
-// config[20]: max_split_size, max_non_split_rounding_size, capacity (-1 = unlimited), reserved,
+// config[20]: max_split_size, max_non_split_rounding_size, capacity, has_capacity (0 = unlimited),
 // roundup_power2_divisions[16]; gc_threshold separately (a double).
 void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   Handle* h = new Handle();
@@ -702,6 +703,7 @@ void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   m.max_split_size = config[0];
   m.max_non_split_rounding_size = config[1];
   m.capacity = config[2];
+  m.has_capacity = config[3] != 0;
   for (int i = 0; i < kRoundUpPowerOfTwoIntervals; ++i) {
     m.roundup_power2_divisions[i] = config[4 + i];
     if (config[4 + i] > 1) m.power2_rounding = true;
@@ -775,11 +777,12 @@ void rc_result_copy(void* h, int64_t* out) {
 
 void rc_free(void* h) { delete static_cast<Handle*>(h); }
 
-// infer_capacity (replay.py) on columns: the smallest recorded reserved + free bytes over the oom entries;
-// -1 when there is none. initial_reserved: the pre-existing segments' bytes.
-int64_t rc_infer_capacity(int64_t n, const uint8_t* act, const int64_t* addr, const int64_t* size,
-                          int64_t initial_reserved) {
-  int64_t reserved = initial_reserved, cap = -1;
+// infer_capacity (replay.py) on columns: the smallest recorded reserved + free bytes over the oom entries,
+// into *capacity; returns 0 when there is none. initial_reserved: the pre-existing segments' bytes.
+int rc_infer_capacity(int64_t n, const uint8_t* act, const int64_t* addr, const int64_t* size,
+                      int64_t initial_reserved, int64_t* capacity) {
+  int64_t reserved = initial_reserved;
+  int found = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint8_t a = act[i];
     if (a == A_SEGMENT_ALLOC || a == A_SEGMENT_MAP) {
@@ -788,10 +791,11 @@ int64_t rc_infer_capacity(int64_t n, const uint8_t* act, const int64_t* addr, co
       reserved -= size[i];
     } else if (a == A_OOM && addr[i] > 0) {
       int64_t c = reserved + addr[i];
-      if (cap < 0 || c < cap) cap = c;
+      if (!found || c < *capacity) *capacity = c;
+      found = 1;
     }
   }
-  return cap;
+  return found;
 }
 
 }  // extern "C"

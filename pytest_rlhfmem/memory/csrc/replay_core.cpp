@@ -43,6 +43,116 @@ constexpr int kRoundUpPowerOfTwoIntervals = 16;
 constexpr i64 UNLIMITED = INT64_MAX;
 constexpr i64 NONE = INT64_MIN;  // Python's None in the result array
 
+// -- containers (speed only: they change no decision) ---------------------------------------------
+
+// A free-list allocator for the std::set nodes of the pools: a replay inserts and erases a node on almost
+// every event, and the general-purpose heap dominated the profile.
+struct FreeNode {
+  FreeNode* next;
+};
+
+template <class T>
+struct NodeAllocator {
+  using value_type = T;
+  FreeNode** head;  // the owning Model's free list (shared by its pools' sets)
+  explicit NodeAllocator(FreeNode** h) : head(h) {}
+  template <class U>
+  NodeAllocator(const NodeAllocator<U>& o) : head(o.head) {}
+  T* allocate(std::size_t n) {
+    static_assert(sizeof(T) >= sizeof(FreeNode), "node too small");
+    if (n == 1 && *head) {
+      FreeNode* f = *head;
+      *head = f->next;
+      return reinterpret_cast<T*>(f);
+    }
+    return static_cast<T*>(::operator new(n * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t n) {
+    if (n != 1) {
+      ::operator delete(p);
+      return;
+    }
+    FreeNode* f = reinterpret_cast<FreeNode*>(p);
+    f->next = *head;
+    *head = f;
+  }
+  template <class U>
+  bool operator==(const NodeAllocator<U>& o) const { return head == o.head; }
+  template <class U>
+  bool operator!=(const NodeAllocator<U>& o) const { return head != o.head; }
+};
+
+// address -> Block*: open addressing, linear probing, backward-shift deletion (allocator.py's dicts
+// ``active_blocks`` and replay.py's ``live``).
+template <class V>
+class FlatMap {
+ public:
+  FlatMap() { rehash(1024); }
+  V* find(int64_t key) {
+    for (std::size_t i = slot(key);; i = (i + 1) & mask_) {
+      if (!used_[i]) return nullptr;
+      if (keys_[i] == key) return &vals_[i];
+    }
+  }
+  void put(int64_t key, V value) {
+    if (2 * (size_ + 1) > keys_.size()) rehash(2 * keys_.size());
+    std::size_t i = slot(key);
+    for (; used_[i]; i = (i + 1) & mask_)
+      if (keys_[i] == key) {
+        vals_[i] = value;
+        return;
+      }
+    used_[i] = 1;
+    keys_[i] = key;
+    vals_[i] = value;
+    ++size_;
+  }
+  bool erase(int64_t key) {
+    std::size_t i = slot(key);
+    for (;; i = (i + 1) & mask_) {
+      if (!used_[i]) return false;
+      if (keys_[i] == key) break;
+    }
+    // backward shift: move later entries of the probe run into the hole
+    std::size_t hole = i;
+    for (std::size_t j = (i + 1) & mask_; used_[j]; j = (j + 1) & mask_) {
+      std::size_t home = slot(keys_[j]);
+      bool movable = hole <= j ? (home <= hole || home > j) : (home <= hole && home > j);
+      if (movable) {
+        keys_[hole] = keys_[j];
+        vals_[hole] = vals_[j];
+        hole = j;
+      }
+    }
+    used_[hole] = 0;
+    --size_;
+    return true;
+  }
+
+ private:
+  std::size_t slot(int64_t key) const {
+    return (std::size_t)(((uint64_t)key * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+  void rehash(std::size_t capacity) {
+    std::vector<int64_t> keys = std::move(keys_);
+    std::vector<V> vals = std::move(vals_);
+    std::vector<uint8_t> used = std::move(used_);
+    keys_.assign(capacity, 0);
+    vals_.assign(capacity, V());
+    used_.assign(capacity, 0);
+    mask_ = capacity - 1;
+    shift_ = 64 - __builtin_ctzll(capacity);
+    size_ = 0;
+    for (std::size_t i = 0; i < used.size(); ++i)
+      if (used[i]) put(keys[i], vals[i]);
+  }
+  std::vector<int64_t> keys_;
+  std::vector<V> vals_;
+  std::vector<uint8_t> used_;
+  std::size_t mask_ = 0, size_ = 0;
+  int shift_ = 0;
+};
+
 // Action codes: the index of each action in memory/replay_engine.py's ACTIONS.
 enum Action : uint8_t {
   A_ALLOC = 0, A_FREE, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP, A_SEGMENT_UNMAP, A_OOM,
@@ -59,6 +169,7 @@ struct Block {
   Block* prev = nullptr;
   Block* next = nullptr;
   i64 gc_count_base = 0;
+  i64 serial = 0;  // which life of this (recycled) object: a reference from before a reuse is stale
   Block(i64 stream_, i64 size_, BlockPool* pool_, i64 address_)
       : stream(stream_), size(size_), address(address_), pool(pool_) {}
   bool is_split() const { return prev != nullptr || next != nullptr; }
@@ -76,9 +187,10 @@ struct BlockComparatorSize {
 // struct BlockPool (allocator.py: BlockPool; insert_into_blocks / erase).
 struct BlockPool {
   bool is_small;
-  std::set<Block*, BlockComparatorSize> blocks;
+  std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>> blocks;
   i64 get_free_blocks_call_count = 0;
-  explicit BlockPool(bool small) : is_small(small) {}
+  BlockPool(bool small, FreeNode** nodes)
+      : is_small(small), blocks(BlockComparatorSize(), NodeAllocator<Block*>(nodes)) {}
   void insert_into_blocks(Block* b) {
     blocks.insert(b);
     b->gc_count_base = get_free_blocks_call_count;
@@ -170,11 +282,14 @@ struct Model {
   i64 capacity = 0;
   bool has_capacity = false;  // false = unlimited (None)
 
-  BlockPool small_blocks{true}, large_blocks{false};
-  std::unordered_map<i64, Block*> active_blocks;  // model address -> allocated block
+  FreeNode* free_nodes = nullptr;  // spare set nodes (NodeAllocator); released with the pools below
+  BlockPool small_blocks{true, &free_nodes}, large_blocks{false, &free_nodes};
+  FlatMap<Block*> active_blocks;  // model address -> allocated block
   Stats st;
   i64 next_synthetic_address = (i64)1 << 56;
-  std::vector<Block*> all_blocks;  // ownership (blocks are never reused; freed at rc_free)
+  std::vector<Block*> all_blocks;  // ownership (freed at rc_free)
+  std::vector<Block*> spare_blocks;  // blocks a merge subsumed (PyTorch deletes them), reused by new_block
+  i64 block_serial = 0;
 
   // replay state
   Collector collector;
@@ -187,9 +302,24 @@ struct Model {
 
   ~Model() {
     for (Block* b : all_blocks) delete b;
+    small_blocks.blocks.clear();  // its nodes join the free list, freed next
+    large_blocks.blocks.clear();
+    while (free_nodes) {
+      FreeNode* f = free_nodes;
+      free_nodes = f->next;
+      ::operator delete(f);
+    }
   }
   Block* new_block(i64 stream, i64 size, BlockPool* pool, i64 address) {
+    if (!spare_blocks.empty()) {
+      Block* b = spare_blocks.back();
+      spare_blocks.pop_back();
+      *b = Block(stream, size, pool, address);
+      b->serial = ++block_serial;
+      return b;
+    }
     Block* b = new Block(stream, size, pool, address);
+    b->serial = ++block_serial;
     all_blocks.push_back(b);
     return b;
   }
@@ -262,7 +392,7 @@ struct Model {
   }
 
   // _find_free_block: the block get_free_block would take, or end().
-  std::set<Block*, BlockComparatorSize>::iterator find_free_block(BlockPool& pool, i64 size, i64 stream) {
+  std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>>::iterator find_free_block(BlockPool& pool, i64 size, i64 stream) {
     Block key(stream, size, &pool, 0);
     auto it = pool.blocks.lower_bound(&key);
     if (it == pool.blocks.end() || (*it)->stream != stream) return pool.blocks.end();
@@ -319,7 +449,7 @@ struct Model {
     }
     block->allocated = true;
     block->requested_size = orig_size;
-    active_blocks[block->address] = block;
+    active_blocks.put(block->address, block);
     st.allocated_bytes += block->size;
     st.requested_bytes += orig_size;
     st.num_allocs += 1;
@@ -387,6 +517,7 @@ struct Model {
     i64 subsumed = src->size;
     dst->size += subsumed;
     pool.erase(src);
+    spare_blocks.push_back(src);  // delete src
     return subsumed;
   }
 
@@ -491,7 +622,7 @@ struct Model {
       if (pieces[3 * k + 2] >= 0) {
         b->allocated = true;
         b->requested_size = pieces[3 * k + 2];
-        active_blocks[b->address] = b;
+        active_blocks.put(b->address, b);
         st.allocated_bytes += b->size;
         st.requested_bytes += b->requested_size;
       }
@@ -547,9 +678,14 @@ struct Model {
 
   // The loop of replay(); returns 0, or an error code (1 = double free, 2 = unsupported event).
   int run(i64 n, const uint8_t* act, const i64* addr, const i64* size, const i64* stream, const i64* time_us) {
-    std::unordered_map<i64, Block*> live;  // recorded address -> model block
-    live.reserve(1024);
-    active_blocks.reserve(1024);
+    // recorded address -> model block. The Python model keeps a freed, merged block alive while `live`
+    // still names it (and refuses a second free of it); here its object may have been reused, which the
+    // serial number tells.
+    struct LiveRef {
+      Block* block = nullptr;
+      i64 serial = 0;
+    };
+    FlatMap<LiveRef> live;
     std::unordered_map<i64, i64> release_batches;
     bool has_releases = false;
     for (i64 i = 0; i < n && !has_releases; ++i)
@@ -562,7 +698,7 @@ struct Model {
         case A_ALLOC: {
           i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
           Block* block = malloc(size[idx], stream[idx]);
-          if (block) live[addr[idx]] = block;
+          if (block) live.put(addr[idx], LiveRef{block, block->serial});
           if (st.num_alloc_retries != retries || st.num_ooms != ooms)
             collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
           last_was_free = false;
@@ -571,17 +707,18 @@ struct Model {
         }
         case A_FREE: {
           Block* block = nullptr;
-          auto it = live.find(addr[idx]);
-          if (it != live.end()) {
-            block = it->second;
-            live.erase(it);
-          } else {
-            auto ab = active_blocks.find(addr[idx]);  // allocated before the trace began
-            if (ab == active_blocks.end()) {
-              unmatched_frees += 1;
-              break;
+          if (LiveRef* found = live.find(addr[idx])) {
+            if (found->block->serial != found->serial) {  // merged away since: a double free
+              error_event = idx;
+              return 1;
             }
-            block = ab->second;
+            block = found->block;
+            live.erase(addr[idx]);
+          } else if (Block** ab = active_blocks.find(addr[idx])) {  // allocated before the trace began
+            block = *ab;
+          } else {
+            unmatched_frees += 1;
+            break;
           }
           if (!free(block)) {
             error_event = idx;

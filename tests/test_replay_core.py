@@ -14,7 +14,7 @@ import shutil
 from dataclasses import asdict
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pytest_rlhfmem.memory.allocator import MiB, AllocatorConfig
@@ -56,7 +56,8 @@ sizes = st.one_of(
     st.integers(10 * MiB, 40 * MiB),  # large pool, own segments
     st.sampled_from([2 * MiB, 20 * MiB, 21 * MiB, 64 * MiB, 96 * MiB]),  # around the thresholds
 )
-OPS = ["alloc"] * 6 + ["free"] * 5 + ["flush", "phase", "phase_end", "segment_free_batch", "oom", "free_unknown"]
+OPS = ["alloc"] * 6 + ["free"] * 5 + ["flush", "phase", "phase_end", "segment_free_batch", "oom", "free_unknown",
+                                      "free_model_address"]
 ops = st.lists(st.tuples(st.sampled_from(OPS), sizes, st.integers(0, 10**6), st.integers(0, 1)),
                min_size=1, max_size=250)
 
@@ -103,6 +104,11 @@ def build_trace(ops_list, with_initial: bool) -> Trace:
             events.append(Event(FREE, pool.pop(i), 0, stream, t))
         elif op == "free_unknown":
             events.append(Event(FREE, 7 + r, 0, stream, t))  # never allocated: unmatched
+        elif op == "free_model_address" and with_initial:
+            # an address inside a segment that existed before the trace: it may name a block the model
+            # placed there (found through active_blocks), so a later free of its recorded address is a
+            # double free, which both engines must refuse
+            events.append(Event(FREE, 0x1000_0000 + (r % 40) * 512 * 1024, 0, stream, t))
         elif op == "flush":
             events.append(Event(FLUSH, time_us=t, name=f"flush{r % 3}"))
         elif op == "phase":
@@ -123,14 +129,23 @@ def build_trace(ops_list, with_initial: bool) -> Trace:
     return Trace(events=events, initial_segments=initial)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops_list=ops, conf=configs(), capacity=st.sampled_from([None, None, 24 * MiB, 64 * MiB, 200 * MiB]),
        with_initial=st.booleans())
 def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capacity, with_initial):
     trace = build_trace(ops_list, with_initial)
     config = AllocatorConfig.parse(conf)
-    py = replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False)
+    try:
+        py = replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False)
+    except ValueError as exc:
+        assert "double free" in str(exc)
+        event("double free")
+        with pytest.raises(ValueError, match="double free"):
+            replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False, engine=COMPILED)
+        return
     cc = replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False, engine=COMPILED)
+    event(f"ooms {'>0' if py.total.ooms else '0'}, retries {'>0' if py.total.alloc_retries else '0'}, "
+          f"flush released {'>0' if any(f['released_bytes'] for f in py.flushes) else '0'}")
     assert_same(py, cc)
 
 

@@ -75,6 +75,8 @@ def configs(draw) -> str:
         parts.append(f"roundup_power2_divisions:{draw(roundups)}")
     if draw(st.booleans()):
         parts.append(f"garbage_collection_threshold:{draw(st.sampled_from([0.1, 0.3, 0.5, 0.6, 0.8, 0.95]))}")
+    if draw(st.integers(0, 2)) == 0:
+        parts.append("expandable_segments:True")
     return ",".join(parts)
 
 
@@ -145,7 +147,8 @@ def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capa
         return
     cc = replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False, engine=COMPILED)
     event(f"ooms {'>0' if py.total.ooms else '0'}, retries {'>0' if py.total.alloc_retries else '0'}, "
-          f"flush released {'>0' if any(f['released_bytes'] for f in py.flushes) else '0'}")
+          f"flush released {'>0' if any(f['released_bytes'] for f in py.flushes) else '0'}, "
+          f"unmaps {'>0' if py.segment_unmaps else '0'}")
     assert_same(py, cc)
 
 
@@ -176,7 +179,7 @@ def test_engine_choice_names_its_reason():
     assert engine_for(cols, default, FREE_RUNNING) == (COMPILED, "default allocator, free-running")
     assert engine_for(cols, default, "anchored")[0] == PYTHON
     assert "series" in engine_for(cols, default, FREE_RUNNING, record_series=True)[1]
-    assert "expandable" in engine_for(cols, AllocatorConfig.parse("expandable_segments:True"), FREE_RUNNING)[1]
+    assert engine_for(cols, AllocatorConfig.parse("expandable_segments:True"), FREE_RUNNING)[0] == COMPILED
     pooled = columns_from_trace(Trace(events=[Event("pool_enter", 0, 1), Event(ALLOC, 1, 10)]))
     assert "private pools" in engine_for(pooled, default, FREE_RUNNING)[1]
     with pytest.raises(ValueError, match="cannot replay this: anchored"):

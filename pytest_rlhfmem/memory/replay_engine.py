@@ -238,8 +238,6 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
         why = "the per-event series is recorded by the Python model"
     elif record_events:
         why = "the replayed events are recorded by the Python model"
-    elif config.expandable_segments:
-        why = "expandable_segments:True is replayed by the Python model"
     elif cols is not None and _POOL_CODES.search(cols.action):
         why = "private pools (pool markers in the trace) are replayed by the Python model"
     elif cols is not None and any(s.pool_id != DEFAULT_POOL for s in cols.initial_segments):
@@ -323,6 +321,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
                       capacity or 0, int(capacity is not None)])
     cfg.extend(config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals])
+    cfg.append(int(config.expandable_segments))
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
     h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))
     try:
@@ -377,14 +376,20 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     phases = [window("") for _ in range(n_phases)]
     segment_allocs: list[tuple[int, int]] = []
     batches: list[list[tuple[int, int]]] = []
+    maps: list[tuple[int, int]] = []
+    unmaps: list[tuple[int, int]] = []
     for k in range(n_dec):
         kind, a, s = out[pos + 3 * k:pos + 3 * k + 3]
         if kind == 0:
             segment_allocs.append((a, s))
         elif kind == 1:
             batches.append([(a, s)])
-        else:
+        elif kind == 2:
             batches[-1].append((a, s))
+        elif kind == 3:
+            maps.append((a, s))
+        else:
+            unmaps.append((a, s))
     pos += 3 * n_dec
     flushes = []
     for k in range(n_flush):
@@ -402,7 +407,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         final_allocated=final_allocated, final_requested=final_requested, model=None, collector=None,
         mode=FREE_RUNNING, unmatched_frees=unmatched, flush_points=flush_points, flushes=flushes,
         cuda_frees_outside_flushes=num_free - flush_frees, requested_at_phase_end=requested_at_end,
-        capacity=capacity, oom_mismatches=oom_mismatches, engine=COMPILED)
+        capacity=capacity, oom_mismatches=oom_mismatches, engine=COMPILED, segment_maps=maps, segment_unmaps=unmaps)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,16 +12,18 @@
 // What this engine covers (memory/replay_engine.py::engine_for says which replays take it and why):
 // the small and large default pools, round_size with roundup_power2_divisions, max_split_size,
 // max_non_split_rounding_size, garbage_collection_threshold, the miss path with its retry and OOM
-// against a capacity, FLUSH events and recorded empty_cache() batches (release_cached_blocks), segments
-// that existed before the trace, phase windows and the MetricsCollector figures. Not covered (the Python
-// model replays them): expandable segments, private pools (POOL_* events), anchored mode, the per-event
-// series and the replayed-events output.
+// against a capacity, expandable segments (ExpandableSegment, find_expandable_block, map_block,
+// try_allocate_expandable_block, unmap_block, release_expandable_segment), FLUSH events and recorded
+// empty_cache() batches (release_cached_blocks), segments that existed before the trace, phase windows
+// and the MetricsCollector figures. Not covered (the Python model replays them): private pools (POOL_*
+// events), anchored mode, the per-event series and the replayed-events output.
 //
 // Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_import_segment, rc_run,
 // rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
 // documents.
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <unordered_map>
@@ -32,6 +34,8 @@ namespace {
 using i64 = int64_t;
 
 constexpr i64 MiB = 1024 * 1024;
+constexpr i64 GiB = 1024 * MiB;
+constexpr i64 DEFAULT_DEVICE_MEMORY = 80 * GiB;  // allocator.py: address space of an expandable segment
 // Constants of CUDACachingAllocator.cpp (allocator.py's module constants).
 constexpr i64 kMinBlockSize = 512;
 constexpr i64 kSmallSize = 1 * MiB;
@@ -161,11 +165,45 @@ enum Action : uint8_t {
 
 struct BlockPool;
 
-// struct Block (allocator.py: Block). Mapped always: no expandable segments here.
+// Python's floor division and its ceiling twin (-(-a // b)), for b > 0.
+inline i64 floordiv(i64 a, i64 b) { return a / b - ((a % b != 0) && (a < 0)); }
+inline i64 ceildiv(i64 a, i64 b) { return -floordiv(-a, b); }
+
+// struct ExpandableSegment (allocator.py: ExpandableSegment): a virtual range mapped page by page.
+struct ExpandableSegment {
+  i64 ptr, segment_size, max_handles, stream;
+  std::vector<char> handles;  // handles[i]: page i mapped
+  ExpandableSegment(i64 ptr_, i64 segment_size_, i64 address_space_size, i64 stream_)
+      : ptr(ptr_), segment_size(segment_size_), max_handles(ceildiv(address_space_size, segment_size_)),
+        stream(stream_) {}
+  i64 size() const { return max_handles * segment_size; }
+  // pages_to_map: [segmentLeft(ptr), segmentRight(ptr + size))
+  i64 first_page(i64 p) const { return floordiv(p - ptr, segment_size); }
+  i64 end_page(i64 p, i64 size) const { return ceildiv(p + size - ptr, segment_size); }
+  // map: returns the mapped (ptr, size)
+  std::pair<i64, i64> map(i64 p, i64 size) {
+    i64 begin = first_page(p), end = end_page(p, size);
+    if ((i64)handles.size() < end) handles.resize(end, 0);
+    for (i64 i = begin; i < end; ++i) handles[i] = 1;
+    return {ptr + begin * segment_size, (end - begin) * segment_size};
+  }
+  // unmap: every page wholly inside [p, p + size); returns the unmapped (ptr, size)
+  std::pair<i64, i64> unmap(i64 p, i64 size) {
+    i64 begin = ceildiv(p - ptr, segment_size), end = floordiv(p + size - ptr, segment_size);
+    if (begin >= end) return {p, 0};
+    for (i64 i = begin; i < end; ++i) handles[i] = 0;
+    while (!handles.empty() && !handles.back()) handles.pop_back();  // trimHandles
+    return {ptr + begin * segment_size, (end - begin) * segment_size};
+  }
+};
+
+// struct Block (allocator.py: Block).
 struct Block {
   i64 stream, size, requested_size = 0, address;
   BlockPool* pool;
   bool allocated = false;
+  bool mapped = true;
+  ExpandableSegment* expandable_segment = nullptr;
   Block* prev = nullptr;
   Block* next = nullptr;
   i64 gc_count_base = 0;
@@ -173,6 +211,13 @@ struct Block {
   Block(i64 stream_, i64 size_, BlockPool* pool_, i64 address_)
       : stream(stream_), size(size_), address(address_), pool(pool_) {}
   bool is_split() const { return prev != nullptr || next != nullptr; }
+  // Block::splice: insert this block between before and after
+  void splice(Block* before, Block* after) {
+    if (before) before->next = this;
+    prev = before;
+    if (after) after->prev = this;
+    next = after;
+  }
 };
 
 // BlockComparatorSize: (stream, size, address), as BlockPool.blocks is sorted in allocator.py.
@@ -184,18 +229,30 @@ struct BlockComparatorSize {
   }
 };
 
-// struct BlockPool (allocator.py: BlockPool; insert_into_blocks / erase).
+// BlockComparatorAddress: (stream, address), the order of the unmapped blocks.
+struct BlockComparatorAddress {
+  bool operator()(const Block* a, const Block* b) const {
+    if (a->stream != b->stream) return a->stream < b->stream;
+    return a->address < b->address;
+  }
+};
+
+// struct BlockPool (allocator.py: BlockPool; insert_into_blocks / erase / insert_unmapped / erase_unmapped).
 struct BlockPool {
   bool is_small;
   std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>> blocks;
+  std::set<Block*, BlockComparatorAddress, NodeAllocator<Block*>> unmapped;
   i64 get_free_blocks_call_count = 0;
   BlockPool(bool small, FreeNode** nodes)
-      : is_small(small), blocks(BlockComparatorSize(), NodeAllocator<Block*>(nodes)) {}
+      : is_small(small), blocks(BlockComparatorSize(), NodeAllocator<Block*>(nodes)),
+        unmapped(BlockComparatorAddress(), NodeAllocator<Block*>(nodes)) {}
   void insert_into_blocks(Block* b) {
     blocks.insert(b);
     b->gc_count_base = get_free_blocks_call_count;
   }
   void erase(Block* b) { blocks.erase(b); }
+  void insert_unmapped(Block* b) { unmapped.insert(b); }
+  void erase_unmapped(Block* b) { unmapped.erase(b); }
 };
 
 // AllocatorStats (allocator.py).
@@ -267,7 +324,8 @@ struct Collector {
 };
 
 // One cudaMalloc/cudaFree decision, in order: kind 0 = segment_alloc, 1 = segment_free opening a batch,
-// 2 = segment_free continuing the batch (replay.py's segment_allocs / segment_free_batches).
+// 2 = segment_free continuing the batch, 3 = segment_map, 4 = segment_unmap (replay.py's segment_allocs,
+// segment_free_batches, segment_maps, segment_unmaps).
 struct Decision { i64 kind, address, size; };
 
 struct FlushRecord { i64 event, phase, released_bytes, segments_released, requested_before, requested_after; };
@@ -279,6 +337,7 @@ struct Model {
   i64 roundup_power2_divisions[kRoundUpPowerOfTwoIntervals] = {0};
   bool power2_rounding = false;
   double garbage_collection_threshold = 0.0;
+  bool expandable_segments = false;
   i64 capacity = 0;
   bool has_capacity = false;  // false = unlimited (None)
 
@@ -290,6 +349,8 @@ struct Model {
   std::vector<Block*> all_blocks;  // ownership (freed at rc_free)
   std::vector<Block*> spare_blocks;  // blocks a merge subsumed (PyTorch deletes them), reused by new_block
   i64 block_serial = 0;
+  std::vector<ExpandableSegment*> all_expandable_segments;  // ownership (freed at rc_free)
+  i64 n_expandable_segments = 0;  // allocator.py: len(self.expandable_segments)
 
   // replay state
   Collector collector;
@@ -302,8 +363,11 @@ struct Model {
 
   ~Model() {
     for (Block* b : all_blocks) delete b;
-    small_blocks.blocks.clear();  // its nodes join the free list, freed next
-    large_blocks.blocks.clear();
+    for (ExpandableSegment* es : all_expandable_segments) delete es;
+    for (BlockPool* pool : {&small_blocks, &large_blocks}) {  // their nodes join the free list, freed next
+      pool->blocks.clear();
+      pool->unmapped.clear();
+    }
     while (free_nodes) {
       FreeNode* f = free_nodes;
       free_nodes = f->next;
@@ -396,6 +460,18 @@ struct Model {
     Block key(stream, size, &pool, 0);
     auto it = pool.blocks.lower_bound(&key);
     if (it == pool.blocks.end() || (*it)->stream != stream) return pool.blocks.end();
+    if (n_expandable_segments && (*it)->expandable_segment && expandable_segments) {
+      // A free block followed by unmapped space counts as the size it can expand to.
+      auto expandable_size = [](const Block* b) {
+        return b->size + (b->next && !b->next->mapped ? b->next->size : 0);
+      };
+      auto j = std::next(it);
+      while ((*it)->expandable_segment && j != pool.blocks.end() && (*j)->stream == stream &&
+             expandable_size(*j) < expandable_size(*it)) {
+        it = j;
+        ++j;
+      }
+    }  // (allocator.py's branch for expandable_segments turned off later: a replay's config is fixed)
     i64 found = (*it)->size;
     if (size < max_split_size && found >= max_split_size) return pool.blocks.end();
     if (size >= max_split_size && found >= size + max_non_split_rounding_size) return pool.blocks.end();
@@ -422,16 +498,18 @@ struct Model {
   // should_split
   bool should_split(const Block* block, i64 size) const {
     i64 remaining = block->size - size;
-    if (block->pool->is_small) return remaining >= kMinBlockSize;
+    if (block->pool->is_small || expandable_segments) return remaining >= kMinBlockSize;
     return size < max_split_size && remaining > kSmallSize;
   }
 
   // alloc_found_block
   Block* alloc_found_block(Block* block, i64 size, i64 orig_size, bool split_remainder) {
     bool already_split = block->is_split();
+    bool expandable = block->expandable_segment != nullptr;  // inactive_split_bytes leaves these out
     if (split_remainder) {
       Block* remaining = block;
       block = new_block(remaining->stream, size, remaining->pool, remaining->address);
+      block->expandable_segment = remaining->expandable_segment;
       block->prev = remaining->prev;
       if (block->prev) block->prev->next = block;
       block->next = remaining;
@@ -439,12 +517,12 @@ struct Model {
       remaining->address += size;
       remaining->size -= size;
       remaining->pool->insert_into_blocks(remaining);
-      if (already_split) {
+      if (already_split && !expandable) {
         st.inactive_split_bytes -= block->size;
-      } else {
+      } else if (!expandable) {
         st.inactive_split_bytes += remaining->size;
       }
-    } else if (already_split) {
+    } else if (already_split && !expandable) {
       st.inactive_split_bytes -= block->size;
     }
     block->allocated = true;
@@ -466,8 +544,8 @@ struct Model {
 
   // alloc_block: one cudaMalloc of alloc_size bytes; nullptr if the device refuses.
   Block* alloc_block(BlockPool& pool, i64 size, i64 alloc_size, i64 stream, bool is_retry) {
-    (void)size;
     if (is_retry) st.num_alloc_retries += 1;
+    if (expandable_segments) return try_allocate_expandable_block(stream, pool, size);
     if (has_capacity && st.reserved_bytes + alloc_size > capacity) return nullptr;
     i64 address = new_address(alloc_size);
     Block* block = new_block(stream, alloc_size, &pool, address);
@@ -476,6 +554,120 @@ struct Model {
     if (st.reserved_bytes > st.peak_reserved_bytes) st.peak_reserved_bytes = st.reserved_bytes;
     on_segment_alloc(address, alloc_size);
     return block;
+  }
+
+  // -- expandable segments (allocator.py: the same names) --------------------------------------
+
+  // find_expandable_block: the lowest-address run of free and unmapped blocks with room for size bytes in
+  // one of this (stream, pool)'s expandable segments, or a new segment's whole unmapped range.
+  Block* find_expandable_block(i64 stream, BlockPool& pool, i64 size) {
+    auto allocatable = [](const Block* b) { return b != nullptr && !b->allocated; };
+    auto has_available_address_space = [&](const Block* b) {
+      i64 total = 0;
+      while (total < size && allocatable(b)) {
+        total += b->size;
+        b = b->next;
+      }
+      return total >= size;
+    };
+    Block key(stream, 0, &pool, 0);
+    for (auto it = pool.unmapped.lower_bound(&key); it != pool.unmapped.end() && (*it)->stream == stream; ++it) {
+      Block* c = *it;
+      if (allocatable(c->prev)) c = c->prev;
+      if (has_available_address_space(c)) return c;
+    }
+    i64 segment_size = pool.is_small ? kSmallBuffer : kLargeBuffer;
+    i64 total = has_capacity ? capacity : DEFAULT_DEVICE_MEMORY;
+    i64 address_space_size = total + floordiv(total, 8);
+    ExpandableSegment probe(0, segment_size, address_space_size, stream);
+    i64 ptr = new_address(probe.size());
+    ExpandableSegment* es = new ExpandableSegment(ptr, segment_size, address_space_size, stream);
+    all_expandable_segments.push_back(es);
+    n_expandable_segments += 1;
+    Block* candidate = new_block(stream, es->size(), &pool, ptr);
+    candidate->mapped = false;
+    candidate->expandable_segment = es;
+    pool.insert_unmapped(candidate);
+    return candidate;
+  }
+
+  // map_block: map the pages covering [to_map->address, + size); false if capacity cannot back them.
+  bool map_block(Block* to_map, i64 size) {
+    ExpandableSegment* es = to_map->expandable_segment;
+    i64 pages = std::max<i64>(0, es->end_page(to_map->address, size) - es->first_page(to_map->address));  // len(range)
+    if (has_capacity && st.reserved_bytes + pages * es->segment_size > capacity) return false;
+    auto mapped = es->map(to_map->address, size);
+    BlockPool& pool = *to_map->pool;
+    pool.erase_unmapped(to_map);
+    to_map->mapped = true;
+    if (mapped.second < to_map->size) {
+      Block* remaining = new_block(to_map->stream, to_map->size - mapped.second, &pool, to_map->address + mapped.second);
+      remaining->mapped = false;
+      remaining->expandable_segment = es;
+      remaining->splice(to_map, to_map->next);
+      pool.insert_unmapped(remaining);
+      to_map->size = mapped.second;
+    }
+    try_merge_blocks(to_map, to_map->prev, pool);
+    try_merge_blocks(to_map, to_map->next, pool);
+    pool.insert_into_blocks(to_map);
+    st.reserved_bytes += mapped.second;
+    if (st.reserved_bytes > st.peak_reserved_bytes) st.peak_reserved_bytes = st.reserved_bytes;
+    st.num_device_alloc += 1;
+    on_segment_map(mapped.first, mapped.second);
+    return true;
+  }
+
+  // try_allocate_expandable_block: a free block of at least size bytes, taken out of the pool.
+  Block* try_allocate_expandable_block(i64 stream, BlockPool& pool, i64 size) {
+    Block* candidate = find_expandable_block(stream, pool, size);
+    if (!candidate->mapped && !map_block(candidate, std::min(candidate->size, size))) return nullptr;
+    while (candidate->size < size) {
+      i64 remaining = size - candidate->size;
+      Block* new_candidate = candidate->next;
+      if (!map_block(new_candidate, std::min(remaining, new_candidate->size))) return nullptr;
+      candidate = new_candidate;
+    }
+    pool.erase(candidate);
+    return candidate;
+  }
+
+  // unmap_block: unmap the whole pages inside a free block; partial pages stay mapped free blocks.
+  void unmap_block(Block* block) {
+    ExpandableSegment* es = block->expandable_segment;
+    auto unmapped = es->unmap(block->address, block->size);
+    if (unmapped.second == 0) return;
+    BlockPool& pool = *block->pool;
+    pool.erase(block);
+    i64 before_size = unmapped.first - block->address;
+    if (before_size > 0) {
+      Block* before_free = new_block(block->stream, before_size, &pool, block->address);
+      before_free->expandable_segment = es;
+      before_free->splice(block->prev, block);
+      pool.insert_into_blocks(before_free);
+    }
+    i64 after_size = block->size - (before_size + unmapped.second);
+    if (after_size > 0) {
+      Block* after_free = new_block(block->stream, after_size, &pool, unmapped.first + unmapped.second);
+      after_free->expandable_segment = es;
+      after_free->splice(block, block->next);
+      pool.insert_into_blocks(after_free);
+    }
+    block->address = unmapped.first;
+    block->size = unmapped.second;
+    block->mapped = false;
+    try_merge_blocks(block, block->prev, pool);
+    try_merge_blocks(block, block->next, pool);
+    pool.insert_unmapped(block);
+    st.reserved_bytes -= unmapped.second;
+    st.num_device_free += 1;
+    on_segment_unmap(unmapped.first, unmapped.second);
+  }
+
+  // release_expandable_segment: give back the virtual range of a fully unmapped segment.
+  void release_expandable_segment(Block* block) {
+    block->pool->erase_unmapped(block);
+    n_expandable_segments -= 1;
   }
 
   // -- the free path ----------------------------------------------------------------------------
@@ -495,17 +687,18 @@ struct Model {
   // free_block
   void free_block(Block* block) {
     BlockPool* pool = block->pool;
+    bool expandable = block->expandable_segment != nullptr;
     for (Block* candidate : {block->prev, block->next}) {
       i64 subsumed = try_merge_blocks(block, candidate, *pool);
-      if (subsumed) st.inactive_split_bytes -= subsumed;
+      if (subsumed && !expandable) st.inactive_split_bytes -= subsumed;
     }
     pool->insert_into_blocks(block);
-    if (block->is_split()) st.inactive_split_bytes += block->size;
+    if (block->is_split() && !expandable) st.inactive_split_bytes += block->size;
   }
 
-  // try_merge_blocks: fold free src into dst; the bytes subsumed (0 if none).
+  // try_merge_blocks: fold free src into dst (both mapped or both unmapped); the bytes subsumed (0 if none).
   i64 try_merge_blocks(Block* dst, Block* src, BlockPool& pool) {
-    if (!src || src->allocated) return 0;
+    if (!src || src->allocated || dst->mapped != src->mapped) return 0;
     if (dst->prev == src) {  // [src dst]
       dst->address = src->address;
       dst->prev = src->prev;
@@ -516,7 +709,11 @@ struct Model {
     }
     i64 subsumed = src->size;
     dst->size += subsumed;
-    pool.erase(src);
+    if (src->mapped) {
+      pool.erase(src);
+    } else {
+      pool.erase_unmapped(src);
+    }
     spare_blocks.push_back(src);  // delete src
     return subsumed;
   }
@@ -531,11 +728,22 @@ struct Model {
     on_segment_free(block->address, block->size);
   }
 
-  // release_blocks: every unsplit free block of the pool, in pool order.
+  // release_blocks: every unsplit free block of the pool in pool order, then the whole free pages of its
+  // expandable segments (and a segment left with no mapped page).
   void release_blocks(BlockPool& pool) {
     std::vector<Block*> ordered(pool.blocks.begin(), pool.blocks.end());
-    for (Block* b : ordered)
-      if (!b->prev && !b->next) release_block(b);
+    std::vector<Block*> to_unmap;
+    for (Block* b : ordered) {
+      if (b->expandable_segment) {
+        to_unmap.push_back(b);
+      } else if (!b->prev && !b->next) {
+        release_block(b);
+      }
+    }
+    for (Block* b : to_unmap) {
+      unmap_block(b);
+      if (!b->prev && !b->next) release_expandable_segment(b);
+    }
   }
 
   // release_cached_blocks (the default id, no diversion to a pool): large pool, then small pool.
@@ -560,12 +768,15 @@ struct Model {
         Block* cur = *it;
         bool is_first = it == pool.blocks.begin();
         if (!is_first) --it;
-        total_released += cur->size;
-        release_block(cur);
+        if (!cur->expandable_segment) {  // blocks of expandable segments are skipped (2.8+)
+          total_released += cur->size;
+          release_block(cur);
+        }
         if (is_first) break;
       }
       if (total_released < key_size) return false;
     } else {
+      if ((*it)->expandable_segment) return false;
       release_block(*it);
     }
     return true;
@@ -647,6 +858,14 @@ struct Model {
   void on_segment_free(i64 address, i64 size) {
     decisions.push_back({last_was_free ? 2 : 1, address, size});
     last_was_free = true;
+    collector.on_cuda_free();
+  }
+  void on_segment_map(i64 address, i64 size) {
+    decisions.push_back({3, address, size});
+    collector.on_cuda_malloc(size, st.reserved_bytes, st.allocated_bytes, st.inactive_split_bytes);
+  }
+  void on_segment_unmap(i64 address, i64 size) {
+    decisions.push_back({4, address, size});
     collector.on_cuda_free();
   }
 
@@ -800,7 +1019,8 @@ struct Model {
   //   total window[13], then n_phases windows[13]: peak_reserved, peak_allocated, fragmentation_at_peak,
   //               max_fragmentation, inactive_split_at_peak, cuda_malloc_count, cuda_free_count,
   //               alloc_retries, ooms, events, start_us, end_us, phase_event (INT64_MIN = None)
-  //   decisions[n_decisions][3]: kind (0 segment_alloc, 1 segment_free opening a batch, 2 continuing), address, size
+  //   decisions[n_decisions][3]: kind (0 segment_alloc, 1 segment_free opening a batch, 2 continuing,
+  //               3 segment_map, 4 segment_unmap), address, size
   //   flushes[n_flushes][6]: event, phase window (-1 none), released_bytes, segments_released,
   //               requested_before, requested_after
   //   flush_points[n_flush_points]
@@ -832,8 +1052,8 @@ struct Handle {
 
 extern "C" {
 
-// config[20]: max_split_size, max_non_split_rounding_size, capacity, has_capacity (0 = unlimited),
-// roundup_power2_divisions[16]; gc_threshold separately (a double).
+// config[21]: max_split_size, max_non_split_rounding_size, capacity, has_capacity (0 = unlimited),
+// roundup_power2_divisions[16], expandable_segments (0/1); gc_threshold separately (a double).
 void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   Handle* h = new Handle();
   Model& m = h->model;
@@ -845,6 +1065,7 @@ void* rc_new(const int64_t* config, double garbage_collection_threshold) {
     m.roundup_power2_divisions[i] = config[4 + i];
     if (config[4 + i] > 1) m.power2_rounding = true;
   }
+  m.expandable_segments = config[4 + kRoundUpPowerOfTwoIntervals] != 0;
   m.garbage_collection_threshold = garbage_collection_threshold;
   return h;
 }

@@ -10,7 +10,11 @@ flushes, the end state's byte counts. So must every real GPU snapshot the compil
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -29,8 +33,8 @@ from pytest_rlhfmem.memory.trace import (
 )
 from tests.helpers import shared_snapshot
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None,
-                                reason="no C++ compiler (g++) to build the compiled replay core")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None,
+                               reason="no C++ compiler (g++) to build the compiled replay core")
 
 FIELDS = ("total", "phases", "peak_phase", "segment_allocs", "segment_free_batches", "final_reserved",
           "final_allocated", "final_requested", "unmatched_frees", "flush_points", "flushes",
@@ -131,6 +135,7 @@ def build_trace(ops_list, with_initial: bool) -> Trace:
     return Trace(events=events, initial_segments=initial)
 
 
+@needs_gxx
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops_list=ops, conf=configs(), capacity=st.sampled_from([None, None, 24 * MiB, 64 * MiB, 200 * MiB]),
        with_initial=st.booleans())
@@ -152,6 +157,7 @@ def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capa
     assert_same(py, cc)
 
 
+@needs_gxx
 @settings(max_examples=100, deadline=None)
 @given(ops_list=ops, conf=configs(), data=st.data())
 def test_inserted_flushes_equal_flush_events(ops_list, conf, data):
@@ -173,6 +179,7 @@ def test_inserted_flushes_equal_flush_events(ops_list, conf, data):
     assert_same(py, cc)
 
 
+@needs_gxx
 def test_engine_choice_names_its_reason():
     cols = columns_from_trace(Trace(events=[Event(ALLOC, 1, 10)]))
     default = AllocatorConfig()
@@ -190,6 +197,7 @@ REAL = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev
         "llminf_1p3b_a", "wedson_medium_128_inference", "wedson_medium_256_training")
 
 
+@needs_gxx
 @pytest.mark.parametrize("name", REAL)
 def test_real_snapshots_same_results_from_both_engines(name):
     path = shared_snapshot(name)
@@ -211,3 +219,37 @@ def test_real_snapshots_same_results_from_both_engines(name):
     cc = replay_columns(cols, config, FREE_RUNNING)
     assert_same(py, cc)
     assert cc.total.events > 0
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "replay", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+@needs_gxx
+def test_cli_replays_an_rlhftrace_file_with_either_engine(tmp_path):
+    """``rlhfmem replay`` reads an .rlhftrace file as columns; both engines print the same figures."""
+    from pytest_rlhfmem.memory.trace_io import save_trace
+
+    ops_list = [("alloc", 3 * MiB + k, k, 0) for k in range(40)] + [("free", 0, k, 0) for k in range(30)]
+    ops_list += [("phase", 0, 1, 0), ("flush", 0, 0, 0)] + [("alloc", 700_000, k, 1) for k in range(50)]
+    path = save_trace(tmp_path / "t.rlhftrace", build_trace(ops_list, False))
+    docs = {}
+    for engine in (COMPILED, PYTHON):
+        p = _cli(str(path), "--free-running", "--json", "--engine", engine)
+        assert p.returncode == 0, p.stderr
+        docs[engine] = json.loads(p.stdout)
+        assert docs[engine]["engine"] == engine
+    assert docs[COMPILED]["simulated"] == docs[PYTHON]["simulated"]
+    assert docs[COMPILED]["simulated"]["cuda_malloc_count"] > 0
+
+
+def test_without_a_compiler_the_python_engine_replays_after_one_notice(tmp_path):
+    path = shared_snapshot("eor_nn")
+    p = _cli(str(path), "--free-running", "--json",
+             env={"CXX": str(tmp_path / "no-such-g++"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stderr.splitlines() if line]
+    assert len(notes) == 1 and "compiled replay engine unavailable" in notes[0] and "no-such-g++" in notes[0]
+    doc = json.loads(p.stdout)
+    assert doc["engine"] == PYTHON and "compiled core unavailable" in doc["engine_reason"]

@@ -456,7 +456,8 @@ struct Model {
   }
 
   // _find_free_block: the block get_free_block would take, or end().
-  std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>>::iterator find_free_block(BlockPool& pool, i64 size, i64 stream) {
+  using BlockSet = std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>>;
+  BlockSet::iterator find_free_block(BlockPool& pool, i64 size, i64 stream) {
     Block key(stream, size, &pool, 0);
     auto it = pool.blocks.lower_bound(&key);
     if (it == pool.blocks.end() || (*it)->stream != stream) return pool.blocks.end();
@@ -601,7 +602,8 @@ struct Model {
     pool.erase_unmapped(to_map);
     to_map->mapped = true;
     if (mapped.second < to_map->size) {
-      Block* remaining = new_block(to_map->stream, to_map->size - mapped.second, &pool, to_map->address + mapped.second);
+      Block* remaining =
+          new_block(to_map->stream, to_map->size - mapped.second, &pool, to_map->address + mapped.second);
       remaining->mapped = false;
       remaining->expandable_segment = es;
       remaining->splice(to_map, to_map->next);

@@ -29,6 +29,7 @@ import subprocess
 import sys
 from array import array
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 
 from .allocator import DEFAULT_POOL, AllocatorConfig, kRoundUpPowerOfTwoIntervals
@@ -47,7 +48,6 @@ ACTIONS = (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
            POOL_RELEASE, PHASE, PHASE_END, FLUSH)
 OTHER = len(ACTIONS)
 CODE = {a: i for i, a in enumerate(ACTIONS)}
-_POOL_CODES = re.compile(b"[" + re.escape(bytes([CODE[POOL_ENTER], CODE[POOL_EXIT], CODE[POOL_RELEASE]])) + b"]")
 _SEGMENT_CODES = bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
 
 
@@ -86,6 +86,9 @@ class TraceColumns:
     def has_segment_events(self) -> bool:
         return any(bytes([c]) in self.action for c in _SEGMENT_CODES)
 
+    def has_pool_markers(self) -> bool:
+        return any(bytes([CODE[a]]) in self.action for a in (POOL_ENTER, POOL_EXIT, POOL_RELEASE))
+
     def count(self, *actions: str) -> int:
         """Events whose action is one of ``actions`` (C speed: ``bytes.count``)."""
         return sum(self.action.count(bytes([CODE[a]])) for a in actions)
@@ -112,25 +115,26 @@ class TraceColumns:
 
 def columns_from_trace(trace: Trace) -> TraceColumns:
     """The columns of ``trace`` (one pass over its events; an unknown action becomes OTHER)."""
-    ev = trace.events
-    get = CODE.get
     names: list[str] = []
-    index: dict[str, int] = {}
+    index: dict[str, int] = {"": -1}
 
     def name_of(n: str) -> int:
-        if not n:
-            return -1
         k = index.get(n)
         if k is None:
             k = index[n] = len(names)
             names.append(n)
         return k
 
+    ev = trace.events
+    get = CODE.get
+
+    def column(i: int) -> array:
+        return array("q", map(itemgetter(i), ev))
+
     return TraceColumns(
-        action=bytes(get(e[0], OTHER) for e in ev),
-        addr=array("q", [e[1] for e in ev]), size=array("q", [e[2] for e in ev]),
-        stream=array("q", [e[3] for e in ev]), time_us=array("q", [e[4] for e in ev]),
-        name=array("i", [name_of(e[5]) for e in ev]), names=names,
+        action=bytes([get(e[0], OTHER) for e in ev]),
+        addr=column(1), size=column(2), stream=column(3), time_us=column(4),
+        name=array("i", map(name_of, map(itemgetter(5), ev))), names=names,
         initial_segments=trace.initial_segments, final_segments=trace.final_segments,
         allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
         device=trace.device)
@@ -238,7 +242,7 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
         why = "the per-event series is recorded by the Python model"
     elif record_events:
         why = "the replayed events are recorded by the Python model"
-    elif cols is not None and _POOL_CODES.search(cols.action):
+    elif cols is not None and cols.has_pool_markers():
         why = "private pools (pool markers in the trace) are replayed by the Python model"
     elif cols is not None and any(s.pool_id != DEFAULT_POOL for s in cols.initial_segments):
         why = "a private pool's segment existed before the trace: replayed by the Python model"
@@ -430,7 +434,6 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
     """
     import gc
     from itertools import compress
-    from operator import itemgetter
 
     from .allocator import AllocatorConfigError
     from .trace import (

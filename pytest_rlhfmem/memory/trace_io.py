@@ -29,6 +29,7 @@ import struct
 import sys
 import zlib
 from array import array
+from itertools import accumulate, repeat
 from pathlib import Path
 
 from .trace import Event, SegmentState, Trace
@@ -154,7 +155,8 @@ def _read(path: str | Path) -> tuple[Path, dict, list[array]]:
         cols.append(_from_le(tc, raw[pos:pos + n * w]))
         pos += n * w
     codes, name_col = cols[0], cols[5]
-    if n and (max(codes) >= len(actions) or max(name_col) >= len(names)):
+    # every action code < len(actions) (bytes.translate deletes the valid ones), every name index in [-1, len)
+    if codes.tobytes().translate(None, bytes(range(len(actions)))) or not set(name_col) <= set(range(-1, len(names))):
         raise TraceFileError(f"{p}: corrupt trace payload (an action or name index out of range)")
     header["actions"], header["names"] = actions, names
     return p, header, cols
@@ -171,15 +173,10 @@ def _initial_segments(p: Path, header: dict) -> list[SegmentState]:
 def load_trace(path: str | Path) -> Trace:
     """Read a file written by :func:`save_trace`. Raises :class:`TraceFileError` (one line: file and reason)."""
     p, header, cols = _read(path)
-    actions, names = header["actions"], header["names"]
+    actions, names = header["actions"], header["names"] + [""]  # index -1: no name
     codes, addr, size, stream, dtime, name_col = cols
-    events: list[Event] = []
-    append = events.append
-    t = 0
-    for i in range(len(codes)):
-        t += dtime[i]
-        k = name_col[i]
-        append(Event(actions[codes[i]], addr[i], size[i], stream[i], t, names[k] if k >= 0 else ""))
+    rows = zip(map(actions.__getitem__, codes), addr, size, stream, accumulate(dtime), map(names.__getitem__, name_col))
+    events: list[Event] = list(map(tuple.__new__, repeat(Event), rows))  # Event(*row), in C
     initial = _initial_segments(p, header)
     return Trace(events=events, initial_segments=initial, allocator_settings=header.get("allocator_settings"),
                  capture=str(header.get("capture", "")), source=str(header.get("source", "")))

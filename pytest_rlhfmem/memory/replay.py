@@ -16,6 +16,11 @@ POOL_EXIT / POOL_RELEASE markers divert allocations to a private pool as ``use_m
 snapshot, :func:`~.trace.trace_from_snapshot` places them from the recorded addresses' segments, so
 both modes keep the recorded pool membership); a recorded ``oom`` entry is replayed as the failing
 request, and its free-memory figure gives the device capacity when none is given.
+
+Two engines replay (``replay_engine.py``, ``docs/replay-engine.md``): this module with ``allocator.py``
+(the reference; every mode) and the compiled core ``csrc/replay_core.cpp`` that mirrors them function by
+function for free-running replays without private pools, about 25 times faster. :func:`replay` uses the
+Python model unless asked (``engine="auto"``); :func:`replay_columns` (the CLI and the advisor) picks.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pytest_rlhfmem.memory.allocator import MiB, AllocatorConfig
-from pytest_rlhfmem.memory.replay import FREE_RUNNING, ReplayResult, replay, replay_columns
+from pytest_rlhfmem.memory.replay import ANCHORED, FREE_RUNNING, ReplayResult, replay, replay_columns
 from pytest_rlhfmem.memory.replay_engine import (
     COMPILED, PYTHON, columns_from_snapshot, columns_from_trace, engine_for, recorded_summary_columns,
 )
@@ -61,7 +61,7 @@ sizes = st.one_of(
     st.sampled_from([2 * MiB, 20 * MiB, 21 * MiB, 64 * MiB, 96 * MiB]),  # around the thresholds
 )
 OPS = ["alloc"] * 6 + ["free"] * 5 + ["flush", "phase", "phase_end", "segment_free_batch", "oom", "free_unknown",
-                                      "free_model_address"]
+                                      "free_model_address", "segment_alloc"]
 ops = st.lists(st.tuples(st.sampled_from(OPS), sizes, st.integers(0, 10**6), st.integers(0, 1)),
                min_size=1, max_size=250)
 
@@ -125,11 +125,13 @@ def build_trace(ops_list, with_initial: bool) -> Trace:
         elif op == "segment_free_batch":  # a recorded cudaFree batch, maybe followed by a recorded cudaMalloc
             events.append(Event(SEGMENT_FREE, 1 << 40, 2 * MiB, 0, t))
             events.append(Event(SEGMENT_FREE, (1 << 40) + (4 << 20), 20 * MiB, 0, t))
-            if r % 2:
-                events.append(Event(SEGMENT_ALLOC, 1 << 41, 20 * MiB, 0, t))
+            if r % 2:  # the recorded cudaMalloc: its size may or may not be the one the model asks for
+                events.append(Event(SEGMENT_ALLOC, (1 << 41) + (r << 24), [20 * MiB, 2 * MiB, size][r % 3], 0, t))
                 next_addr += 1 << 12
                 events.append(Event(ALLOC, next_addr, size, stream, t))
                 live.append(next_addr)
+        elif op == "segment_alloc":  # a recorded cudaMalloc (anchored mode takes its address if the size agrees)
+            events.append(Event(SEGMENT_ALLOC, (1 << 42) + (r << 24), [20 * MiB, 2 * MiB, size][r % 3], 0, t))
         elif op == "oom":
             events.append(Event(OOM, (r * 4096) if r % 3 else 0, size, stream, t))
     return Trace(events=events, initial_segments=initial)
@@ -138,22 +140,24 @@ def build_trace(ops_list, with_initial: bool) -> Trace:
 @needs_gxx
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops_list=ops, conf=configs(), capacity=st.sampled_from([None, None, 24 * MiB, 64 * MiB, 200 * MiB]),
-       with_initial=st.booleans())
-def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capacity, with_initial):
+       with_initial=st.booleans(), mode=st.sampled_from([FREE_RUNNING, ANCHORED]))
+def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capacity, with_initial, mode):
     trace = build_trace(ops_list, with_initial)
     config = AllocatorConfig.parse(conf)
     try:
-        py = replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False)
+        py = replay(trace, config, mode, capacity=capacity, record_series=False)
     except ValueError as exc:
         assert "double free" in str(exc)
         event("double free")
         with pytest.raises(ValueError, match="double free"):
-            replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False, engine=COMPILED)
+            replay(trace, config, mode, capacity=capacity, record_series=False, engine=COMPILED)
         return
-    cc = replay(trace, config, FREE_RUNNING, capacity=capacity, record_series=False, engine=COMPILED)
+    cc = replay(trace, config, mode, capacity=capacity, record_series=False, engine=COMPILED)
     event(f"ooms {'>0' if py.total.ooms else '0'}, retries {'>0' if py.total.alloc_retries else '0'}, "
           f"flush released {'>0' if any(f['released_bytes'] for f in py.flushes) else '0'}, "
           f"unmaps {'>0' if py.segment_unmaps else '0'}")
+    if mode == ANCHORED and any((1 << 41) <= a < (1 << 56) for a, _ in py.segment_allocs):
+        event("anchored: a segment took a recorded address")
     assert_same(py, cc)
 
 
@@ -183,14 +187,14 @@ def test_inserted_flushes_equal_flush_events(ops_list, conf, data):
 def test_engine_choice_names_its_reason():
     cols = columns_from_trace(Trace(events=[Event(ALLOC, 1, 10)]))
     default = AllocatorConfig()
-    assert engine_for(cols, default, FREE_RUNNING) == (COMPILED, "default allocator, free-running")
-    assert engine_for(cols, default, "anchored")[0] == PYTHON
+    assert engine_for(cols, default, FREE_RUNNING) == (COMPILED, "free-running, no private pools")
+    assert engine_for(cols, default, ANCHORED)[0] == COMPILED
     assert "series" in engine_for(cols, default, FREE_RUNNING, record_series=True)[1]
     assert engine_for(cols, AllocatorConfig.parse("expandable_segments:True"), FREE_RUNNING)[0] == COMPILED
     pooled = columns_from_trace(Trace(events=[Event("pool_enter", 0, 1), Event(ALLOC, 1, 10)]))
     assert "private pools" in engine_for(pooled, default, FREE_RUNNING)[1]
-    with pytest.raises(ValueError, match="cannot replay this: anchored"):
-        engine_for(cols, default, "anchored", requested=COMPILED)
+    with pytest.raises(ValueError, match="cannot replay this: the per-event series"):
+        engine_for(cols, default, ANCHORED, record_series=True, requested=COMPILED)
 
 
 REAL = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev2", "slime_init_b",
@@ -198,8 +202,9 @@ REAL = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev
 
 
 @needs_gxx
+@pytest.mark.parametrize("mode", [ANCHORED, FREE_RUNNING])
 @pytest.mark.parametrize("name", REAL)
-def test_real_snapshots_same_results_from_both_engines(name):
+def test_real_snapshots_same_results_from_both_engines(name, mode):
     path = shared_snapshot(name)
     snap = load_snapshot(path)
     trace = trace_from_snapshot(snap, source=str(path))
@@ -209,14 +214,11 @@ def test_real_snapshots_same_results_from_both_engines(name):
     assert cols.initial_segments == trace.initial_segments
     assert recorded_summary_columns(cols) == recorded_summary(trace)
     config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
-    engine, why = engine_for(cols, config, FREE_RUNNING)
-    if engine != COMPILED:  # expandable segments or private pools: the default allocator's what-if instead
-        config = AllocatorConfig()
-        engine, why = engine_for(cols, config, FREE_RUNNING)
-        if engine != COMPILED:
-            pytest.skip(f"{name}: the compiled engine does not replay it ({why})")
-    py = replay(trace, config, FREE_RUNNING, record_series=False)
-    cc = replay_columns(cols, config, FREE_RUNNING)
+    engine, why = engine_for(cols, config, mode)
+    if engine != COMPILED:
+        pytest.skip(f"{name}: the compiled engine does not replay it ({why})")
+    py = replay(trace, config, mode, record_series=False)
+    cc = replay_columns(cols, config, mode)
     assert_same(py, cc)
     assert cc.total.events > 0
 

@@ -19,7 +19,7 @@ request, and its free-memory figure gives the device capacity when none is given
 
 Two engines replay (``replay_engine.py``, ``docs/replay-engine.md``): this module with ``allocator.py``
 (the reference; every mode) and the compiled core ``csrc/replay_core.cpp`` that mirrors them function by
-function for free-running replays without private pools, about 25 times faster. :func:`replay` uses the
+function for replays without private pools, series or replayed events, about 25 times faster. :func:`replay` uses the
 Python model unless asked (``engine="auto"``); :func:`replay_columns` (the CLI and the advisor) picks.
 """
 
@@ -137,7 +137,7 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
 
     ``engine``: ``python`` (this module and ``allocator.py``: the reference, and the only one returning
     ``model`` and ``collector``), ``auto`` (the compiled core of ``replay_engine.py`` when it supports
-    this replay: free-running, default allocator, no series or events recorded; else Python) or
+    this replay: no private pools, no series or events recorded; else Python) or
     ``compiled`` (raises ``ValueError`` when unsupported). ``ReplayResult.engine`` says which ran.
 
     ``record_events`` keeps the replayed trace (``ReplayResult.events``): allocations at the addresses the
@@ -186,7 +186,7 @@ def replay_columns(cols: TraceColumns, config: AllocatorConfig | None = None, mo
         capacity = infer_capacity_columns(cols)
         if capacity is not None:
             capacity_source = "inferred from the trace's oom entries"
-    result = run_compiled(cols, config, capacity, flush_at, flush_names)
+    result = run_compiled(cols, config, capacity, flush_at, flush_names, mode)
     result.capacity_source = capacity_source
     result.engine_reason = why
     return result

@@ -236,9 +236,7 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
     if requested == PYTHON:
         return PYTHON, "requested"
     why = None
-    if mode != "free-running":
-        why = f"{mode} mode (recorded addresses) is replayed by the Python model"
-    elif record_series:
+    if record_series:
         why = "the per-event series is recorded by the Python model"
     elif record_events:
         why = "the replayed events are recorded by the Python model"
@@ -251,7 +249,7 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
         if not ok:
             why = f"compiled core unavailable: {reason}"
     if why is None:
-        return COMPILED, "default allocator, free-running"
+        return COMPILED, f"{mode}, no private pools"
     if requested == COMPILED:
         raise ValueError(f"the compiled replay engine cannot replay this: {why}")
     return PYTHON, why
@@ -309,9 +307,11 @@ _WINDOW_FIELDS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "m
 
 
 def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | None,
-                 flush_at: list[int] | tuple[int, ...] = (), flush_names: list[str] | tuple[str, ...] = ()):
-    """Replay ``cols`` free-running through the compiled core; returns a :class:`~.replay.ReplayResult`
-    (``model`` and ``collector`` None, ``engine`` "compiled").
+                 flush_at: list[int] | tuple[int, ...] = (), flush_names: list[str] | tuple[str, ...] = (),
+                 mode: str = "free-running"):
+    """Replay ``cols`` through the compiled core in ``mode`` (``free-running`` or ``anchored``, as
+    :func:`~.replay.replay`); returns a :class:`~.replay.ReplayResult` (``model`` and ``collector`` None,
+    ``engine`` "compiled").
 
     ``flush_at``: sorted event indices before which a FLUSH named ``flush_names[k]`` is inserted (the
     advisor's candidates, as ``advise.with_flushes``), without copying the columns in Python. Raises
@@ -319,13 +319,14 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     ``ValueError`` for a double free. ``capacity`` is bytes (``None``: unlimited).
     """
     from .metrics import WindowMetrics
-    from .replay import FREE_RUNNING, ReplayError, ReplayResult
+    from .replay import ANCHORED, ReplayError, ReplayResult
 
     lib = load_library()
     cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
                       capacity or 0, int(capacity is not None)])
     cfg.extend(config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals])
     cfg.append(int(config.expandable_segments))
+    cfg.append(int(mode == ANCHORED))
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
     h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))
     try:
@@ -409,7 +410,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         total=total, phases=phases, peak_phase=phases[peak_phase].phase if peak_phase >= 0 else None,
         segment_allocs=segment_allocs, segment_free_batches=batches, final_reserved=final_reserved,
         final_allocated=final_allocated, final_requested=final_requested, model=None, collector=None,
-        mode=FREE_RUNNING, unmatched_frees=unmatched, flush_points=flush_points, flushes=flushes,
+        mode=mode, unmatched_frees=unmatched, flush_points=flush_points, flushes=flushes,
         cuda_frees_outside_flushes=num_free - flush_frees, requested_at_phase_end=requested_at_end,
         capacity=capacity, oom_mismatches=oom_mismatches, engine=COMPILED, segment_maps=maps, segment_unmaps=unmaps)
 

@@ -1,4 +1,4 @@
-// The compiled replay engine: memory/allocator.py's DEFAULT path and memory/replay.py's free-running loop,
+// The compiled replay engine: memory/allocator.py's default pools and memory/replay.py's loop (both modes),
 // function for function, for the 1M-events-per-second target of issue 9 (item 5).
 //
 // ONE source of behaviour: memory/allocator.py is the readable reference and the property tests
@@ -14,9 +14,10 @@
 // max_non_split_rounding_size, garbage_collection_threshold, the miss path with its retry and OOM
 // against a capacity, expandable segments (ExpandableSegment, find_expandable_block, map_block,
 // try_allocate_expandable_block, unmap_block, release_expandable_segment), FLUSH events and recorded
-// empty_cache() batches (release_cached_blocks), segments that existed before the trace, phase windows
-// and the MetricsCollector figures. Not covered (the Python model replays them): private pools (POOL_*
-// events), anchored mode, the per-event series and the replayed-events output.
+// empty_cache() batches (release_cached_blocks), anchored mode (recorded addresses, recorded cudaMalloc
+// failures), segments that existed before the trace, phase windows and the MetricsCollector figures. Not
+// covered (the Python model replays them): private pools (POOL_* events), the per-event series and the
+// replayed-events output.
 //
 // Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_import_segment, rc_run,
 // rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
@@ -536,9 +537,41 @@ struct Model {
     return block;
   }
 
-  // _new_address (free-running: synthetic addresses only)
-  i64 new_address(i64 span) {
-    i64 address = next_synthetic_address;
+  // replay.py's anchor(): in anchored mode a new segment takes the address of the recorded segment_alloc
+  // of the same size (the first one pending; a different size anchors nothing), a new expandable segment
+  // (size < 0 here, None in Python) that of the first pending segment_map. Returns false for no anchor.
+  struct Pending {
+    i64 addr, size;
+    bool is_map;
+  };
+  std::vector<Pending> pending_anchor;
+  bool anchored = false;
+  bool fail_next_cuda_malloc = false;  // anchored: the recorded run's first cudaMalloc for this request failed
+
+  bool anchor(i64 size, i64* address) {
+    for (std::size_t k = 0; k < pending_anchor.size(); ++k) {
+      const Pending& p = pending_anchor[k];
+      if (size < 0 && p.is_map) {
+        *address = p.addr;
+        pending_anchor.erase(pending_anchor.begin() + k);
+        return true;
+      }
+      if (size >= 0 && !p.is_map) {
+        if (p.size != size) return false;
+        *address = p.addr;
+        pending_anchor.erase(pending_anchor.begin() + k);
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // _new_address: the anchor when anchored and one matches, else a synthetic address far above real ones.
+  // size: the cudaMalloc size, or -1 for a new expandable segment's virtual base.
+  i64 new_address(i64 size, i64 span) {
+    i64 address;
+    if (anchored && anchor(size, &address)) return address;
+    address = next_synthetic_address;
     next_synthetic_address += span + kRoundLarge;
     return address;
   }
@@ -546,9 +579,13 @@ struct Model {
   // alloc_block: one cudaMalloc of alloc_size bytes; nullptr if the device refuses.
   Block* alloc_block(BlockPool& pool, i64 size, i64 alloc_size, i64 stream, bool is_retry) {
     if (is_retry) st.num_alloc_retries += 1;
+    if (fail_next_cuda_malloc) {
+      fail_next_cuda_malloc = false;  // anchored replay: the recorded run failed here
+      return nullptr;
+    }
     if (expandable_segments) return try_allocate_expandable_block(stream, pool, size);
     if (has_capacity && st.reserved_bytes + alloc_size > capacity) return nullptr;
-    i64 address = new_address(alloc_size);
+    i64 address = new_address(alloc_size, alloc_size);
     Block* block = new_block(stream, alloc_size, &pool, address);
     st.reserved_bytes += alloc_size;
     st.num_device_alloc += 1;
@@ -581,7 +618,7 @@ struct Model {
     i64 total = has_capacity ? capacity : DEFAULT_DEVICE_MEMORY;
     i64 address_space_size = total + floordiv(total, 8);
     ExpandableSegment probe(0, segment_size, address_space_size, stream);
-    i64 ptr = new_address(probe.size());
+    i64 ptr = new_address(-1, probe.size());
     ExpandableSegment* es = new ExpandableSegment(ptr, segment_size, address_space_size, stream);
     all_expandable_segments.push_back(es);
     n_expandable_segments += 1;
@@ -871,7 +908,7 @@ struct Model {
     collector.on_cuda_free();
   }
 
-  // -- replay.py: replay() in free-running mode -------------------------------------------------
+  // -- replay.py: replay()'s loop ----------------------------------------------------------------
 
   // _recorded_release_batches: for each batch start, the index of the ALLOC/OOM that followed it or -1.
   static std::unordered_map<i64, i64> recorded_release_batches(i64 n, const uint8_t* act) {
@@ -912,14 +949,19 @@ struct Model {
     for (i64 i = 0; i < n && !has_releases; ++i)
       has_releases = act[i] == A_SEGMENT_FREE || act[i] == A_SEGMENT_UNMAP;
     if (has_releases) release_batches = recorded_release_batches(n, act);
+    std::vector<char> retry_allocs;  // ALLOC/OOM indices whose recorded cudaMalloc failed first
+    if (has_releases) retry_allocs.assign(n, 0);
 
     for (i64 idx = 0; idx < n; ++idx) {
       uint8_t action = act[idx];
       switch (action) {
         case A_ALLOC: {
+          if (has_releases && retry_allocs[idx]) fail_next_cuda_malloc = anchored;
           i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
           Block* block = malloc(size[idx], stream[idx]);
           if (block) live.put(addr[idx], LiveRef{block, block->serial});
+          fail_next_cuda_malloc = false;
+          pending_anchor.clear();
           if (st.num_alloc_retries != retries || st.num_ooms != ooms)
             collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
           last_was_free = false;
@@ -950,12 +992,15 @@ struct Model {
           break;
         }
         case A_OOM: {  // the recorded request that failed: the model must fail it too
+          if (has_releases && retry_allocs[idx]) fail_next_cuda_malloc = anchored;
           i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
           Block* block = malloc(size[idx], stream[idx]);
           if (block) {
             free(block);  // the program never got it
             oom_mismatches += 1;
           }
+          fail_next_cuda_malloc = false;
+          pending_anchor.clear();
           collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
           last_was_free = false;
           collector.after_event(st.allocated_bytes, time_us[idx]);
@@ -963,13 +1008,17 @@ struct Model {
         }
         case A_SEGMENT_ALLOC:
         case A_SEGMENT_MAP:
-          break;  // free-running: the model decides its own segments
+          pending_anchor.push_back({addr[idx], size[idx], action == A_SEGMENT_MAP});
+          break;
         case A_SEGMENT_FREE:
         case A_SEGMENT_UNMAP: {
           auto it = release_batches.find(idx);
           if (it == release_batches.end()) break;  // inside a batch already handled
           i64 j = it->second;
-          if (j >= 0 && (act[j] == A_OOM || !can_serve_from_cache(size[j], stream[j]))) break;  // a retry
+          if (j >= 0 && (act[j] == A_OOM || !can_serve_from_cache(size[j], stream[j]))) {
+            retry_allocs[j] = 1;  // the recorded cudaMalloc failed, then released and retried
+            break;
+          }
           last_was_free = false;  // a user's torch.cuda.empty_cache()
           release_cached_blocks();
           flush_points.push_back(idx);
@@ -1054,8 +1103,9 @@ struct Handle {
 
 extern "C" {
 
-// config[21]: max_split_size, max_non_split_rounding_size, capacity, has_capacity (0 = unlimited),
-// roundup_power2_divisions[16], expandable_segments (0/1); gc_threshold separately (a double).
+// config[22]: max_split_size, max_non_split_rounding_size, capacity, has_capacity (0 = unlimited),
+// roundup_power2_divisions[16], expandable_segments (0/1), anchored (0/1: replay.py's mode);
+// gc_threshold separately (a double).
 void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   Handle* h = new Handle();
   Model& m = h->model;
@@ -1068,6 +1118,7 @@ void* rc_new(const int64_t* config, double garbage_collection_threshold) {
     if (config[4 + i] > 1) m.power2_rounding = true;
   }
   m.expandable_segments = config[4 + kRoundUpPowerOfTwoIntervals] != 0;
+  m.anchored = config[5 + kRoundUpPowerOfTwoIntervals] != 0;
   m.garbage_collection_threshold = garbage_collection_threshold;
   return h;
 }

@@ -7,7 +7,10 @@ The trace is the replay benchmark's training-like mix (``replay_throughput.synth
 activation per inference phase that is freed at its end, so flushes have something to release. It is
 saved as a result JSON with its trace file (the advisor's real input path: file loading included) and
 advised with ``--processes 1`` and ``--processes 2``. Target (issue 13): the whole sweep within 60 s on
-this 2-core machine.
+this 2-core machine. Every candidate is replayed by the compiled core (``memory/replay_engine.py``) unless
+it cannot be; the rank's columns reach the two worker processes by fork. Also printed: the input loading
+alone (``load_inputs``: the trace file, the program's events, columns and boundaries), which runs in one
+process before the sweep.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from replay_throughput import synthetic_trace  # noqa: E402
 
-from pytest_rlhfmem.advise import advise  # noqa: E402
+from pytest_rlhfmem.advise import advise, load_inputs  # noqa: E402
 from pytest_rlhfmem.memory.trace import ALLOC, FREE, PHASE, PHASE_END, Event, Trace  # noqa: E402
 from pytest_rlhfmem.memory.trace_io import save_trace  # noqa: E402
 
@@ -74,6 +77,10 @@ def main() -> int:
         rp = Path(d) / "result.json"
         rp.write_text(json.dumps({"scenario_id": "synthetic/1M", "capture": "synthetic",
                                   "ranks": [{"rank": 0, "trace_file": str(tf)}]}))
+        t0 = time.perf_counter()
+        load_inputs(rp)
+        out["load_inputs_seconds"] = round(time.perf_counter() - t0, 2)
+        print(f"load_inputs alone: {out['load_inputs_seconds']:.1f} s", flush=True)
         for procs in (int(p) for p in args.processes.split(",")):
             cpu0 = _cpu_s()
             t0 = time.perf_counter()

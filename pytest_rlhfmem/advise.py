@@ -44,6 +44,7 @@ All sizes are bytes; the JSON schema (``SCHEMA``) is documented in ``docs/advise
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import multiprocessing
@@ -53,7 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .memory.allocator import AllocatorConfig, AllocatorConfigError, MiB, kLargeBuffer
-from .memory.replay import FREE_RUNNING, _recorded_release_batches, replay
+from .memory.replay import FREE_RUNNING, PYTHON, _recorded_release_batches, replay, replay_columns
+from .memory.replay_engine import TraceColumns, columns_from_trace, engine_for
 from .memory.trace import (
     ALLOC, FLUSH, FREE, PHASE, PHASE_END, SEGMENT_FREE, CAPTURE_CUDA, Event, SnapshotError, Trace,
 )
@@ -186,13 +188,19 @@ def with_flushes(events: list[Event], positions: list[int], names: list[str]) ->
 
 @dataclass
 class RankInput:
-    """One rank's program: events without flushes, as recorded, its boundaries and starting state."""
+    """One rank's program: events without flushes, as recorded, its boundaries and starting state.
+
+    ``program_columns``/``recorded_columns``: the same two event lists as columns, built once, for the
+    compiled replay engine (``memory/replay_engine.py``); fork passes them to the worker processes
+    without copying (the columns are a few flat buffers, untouched by reference counting)."""
 
     rank: int
     program: list[Event]
     recorded: list[Event]
     boundaries: Boundaries
     trace: Trace  # initial segments, allocator settings, capture
+    program_columns: TraceColumns | None = None
+    recorded_columns: TraceColumns | None = None
 
 
 _RANKS: list[RankInput] = []
@@ -208,28 +216,37 @@ class Spec:
     recorded: bool = False
 
 
+def _spec_config(ri: RankInput, spec: Spec) -> AllocatorConfig:
+    base = (ri.trace.allocator_settings or {}).get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    return AllocatorConfig.parse(",".join(c for c in (base, spec.alloc_conf) if c))
+
+
 def _replay_one(job: tuple[Spec, int]) -> dict:
+    """One candidate on one rank: the compiled engine inserts the flushes itself (``flush_at``) when it
+    supports the setting; otherwise the Python model replays the event list with the flushes in it."""
     spec, r = job
     ri = _RANKS[r]
+    positions: list[int] = []
+    names: list[str] = []
     if spec.recorded:
-        events = ri.recorded
-    elif spec.flushes:
-        names = [n for n in spec.flushes if n in ri.boundaries.positions]
-        events = with_flushes(ri.program, [ri.boundaries.positions[n] for n in names], names)
+        events, cols = ri.recorded, ri.recorded_columns
     else:
-        events = ri.program
-    base = (ri.trace.allocator_settings or {}).get("PYTORCH_CUDA_ALLOC_CONF") or ""
-    conf = ",".join(c for c in (base, spec.alloc_conf) if c)
-    res = replay(Trace(events=events, initial_segments=ri.trace.initial_segments,
-                       allocator_settings=ri.trace.allocator_settings, capture=ri.trace.capture),
-                 config=AllocatorConfig.parse(conf), mode=FREE_RUNNING, capacity=spec.capacity,
-                 record_series=False)
+        events, cols = ri.program, ri.program_columns
+        if spec.flushes:
+            names = [n for n in spec.flushes if n in ri.boundaries.positions]
+            positions = [ri.boundaries.positions[n] for n in names]
+    trace = Trace(events=events, initial_segments=ri.trace.initial_segments,
+                  allocator_settings=ri.trace.allocator_settings, capture=ri.trace.capture)
+    if cols is None:
+        cols = columns_from_trace(trace)
+    res = replay_columns(cols, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=spec.capacity,
+                         flush_at=positions, flush_names=names, trace=trace)
     t = res.total
     return {"rank": ri.rank, "peak_reserved": t.peak_reserved, "fragmentation_at_peak": t.fragmentation_at_peak,
             "peak_phase": res.peak_phase, "cuda_malloc": t.cuda_malloc_count, "cuda_free": t.cuda_free_count,
             "bytes_acquired": sum(s for _, s in res.segment_allocs), "alloc_retries": t.alloc_retries,
             "ooms": t.ooms, "peak_allocated": t.peak_allocated,
-            "flushes": len(res.flushes)}
+            "flushes": len(res.flushes), "engine": res.engine}
 
 
 class Evaluator:
@@ -243,6 +260,10 @@ class Evaluator:
         self.replays = 0
         self.pool = None
         if processes > 1 and "fork" in multiprocessing.get_all_start_methods():
+            # The workers inherit the ranks' columns and events by fork; freezing the objects made so far
+            # keeps the workers' garbage collector from touching (and so copying) their pages.
+            gc.collect()
+            gc.freeze()
             self.pool = multiprocessing.get_context("fork").Pool(processes)
 
     def close(self) -> None:
@@ -250,12 +271,20 @@ class Evaluator:
             self.pool.close()
             self.pool.join()
             self.pool = None
+            gc.unfreeze()
+
+    def _engine(self, job: tuple[Spec, int]) -> str:
+        spec, r = job
+        ri = self.ranks[r]
+        cols = ri.recorded_columns if spec.recorded else ri.program_columns
+        return engine_for(cols, _spec_config(ri, spec), FREE_RUNNING)[0]
 
     def evaluate(self, specs: list[Spec]) -> list[dict]:
         todo = [s for s in dict.fromkeys(specs) if s not in self.cache]
         jobs = [(s, r) for s in todo for r in range(len(self.ranks))]
-        # Largest traces first: better balance across the two processes.
-        jobs.sort(key=lambda j: -len(self.ranks[j[1]].program))
+        # Python-engine replays (expandable segments) first, then the largest traces: better balance
+        # across the two processes.
+        jobs.sort(key=lambda j: (self._engine(j) != PYTHON, -len(self.ranks[j[1]].program)))
         outs = self.pool.map(_replay_one, jobs, chunksize=1) if self.pool and len(jobs) > 1 else \
             [_replay_one(j) for j in jobs]
         self.replays += len(jobs)
@@ -276,6 +305,8 @@ def _aggregate(rows: list[dict]) -> dict:
                                                        "peak_allocated", "flushes")}
     out["peak_phase"] = top["peak_phase"]
     out["peak_rank"] = top["rank"]
+    engines = {d["engine"] for d in rows}
+    out["engine"] = engines.pop() if len(engines) == 1 else "mixed"
     out["per_rank"] = [{k: d[k] for k in ("rank", "peak_reserved", "fragmentation_at_peak", "peak_phase",
                                           "cuda_malloc", "cuda_free")} for d in rows]
     return out
@@ -560,7 +591,11 @@ def _fit_budget(ranked: list[dict], base: dict, budget: int) -> dict:
 
 def _rank_input(rank: int, trace: Trace) -> RankInput:
     program, recorded = program_events(trace)
-    return RankInput(rank, program, recorded, find_boundaries(program), trace)
+    kw = {"initial_segments": trace.initial_segments, "allocator_settings": trace.allocator_settings,
+          "capture": trace.capture}
+    pc = columns_from_trace(Trace(events=program, **kw))
+    rc = columns_from_trace(Trace(events=recorded, **kw)) if len(recorded) != len(program) else pc
+    return RankInput(rank, program, recorded, find_boundaries(program), trace, pc, rc)
 
 
 def load_inputs(path: str | Path) -> list[ScenarioInput]:
@@ -675,8 +710,8 @@ def flush_cost(trace: Trace, measured_flush_s: list | None = None) -> dict:
         return out
     kw = {"initial_segments": trace.initial_segments, "allocator_settings": trace.allocator_settings,
           "capture": trace.capture}
-    a = replay(Trace(events=recorded, **kw), mode=FREE_RUNNING, record_series=False)
-    b = replay(Trace(events=program, **kw), mode=FREE_RUNNING, record_series=False)
+    a = replay(Trace(events=recorded, **kw), mode=FREE_RUNNING, record_series=False, engine="auto")
+    b = replay(Trace(events=program, **kw), mode=FREE_RUNNING, record_series=False, engine="auto")
     out.update({"extra_cuda_malloc": a.total.cuda_malloc_count - b.total.cuda_malloc_count,
                 "extra_cuda_free": a.total.cuda_free_count - b.total.cuda_free_count,
                 "bytes_reacquired": sum(s for _, s in a.segment_allocs) - sum(s for _, s in b.segment_allocs),

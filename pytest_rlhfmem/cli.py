@@ -16,27 +16,24 @@ from .units import format_size
 
 def _replay(args: argparse.Namespace) -> int:
     from .memory.allocator import AllocatorConfig, AllocatorConfigError
-    from .memory.replay import ANCHORED, ReplayError, agreement, recorded_summary, replay, replay_json
-    from .memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
+    from .memory.replay import ANCHORED, ReplayError, agreement, replay_columns, replay_json
+    from .memory.replay_engine import load_columns_for_replay, recorded_summary_columns
+    from .memory.trace import SnapshotError
+    from .memory.trace_io import TraceFileError
 
     try:
         config = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else None
-        snap = load_snapshot(args.snapshot)
-        try:
-            recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
-        except (AllocatorConfigError, AttributeError, TypeError) as exc:
-            raise SnapshotError(f"{args.snapshot}: allocator_settings: {exc}") from None
+        # a snapshot pickle or an .rlhftrace file, as columns (replay_engine.py)
+        trace, recorded_config = load_columns_for_replay(args.snapshot, args.device)
         config = config or recorded_config
-        # Pre-existing blocks are sized with the recorded settings: that is how they were allocated.
-        trace = trace_from_snapshot(snap, device=args.device, config=recorded_config, source=args.snapshot)
         capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
-        result = replay(trace, config=config, mode=args.mode, capacity=capacity)
-    except (SnapshotError, AllocatorConfigError, ReplayError) as exc:
+        result = replay_columns(trace, config=config, mode=args.mode, capacity=capacity, engine=args.engine)
+    except (SnapshotError, AllocatorConfigError, ReplayError, TraceFileError) as exc:
         raise CliError(str(exc)) from None
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError) as exc:
         # the model's own consistency checks: still one line, naming the file
         raise CliError(f"{args.snapshot}: cannot replay ({type(exc).__name__}: {exc})") from None
-    rec = recorded_summary(trace)
+    rec = recorded_summary_columns(trace)
     agree = agreement(rec, result, trace.has_segment_events())
     if args.json:
         out = replay_json(args.snapshot, args.mode, config, trace, result, rec, agree)
@@ -57,8 +54,9 @@ def _replay(args: argparse.Namespace) -> int:
         ("max fragmentation", "-", format_size(t.max_fragmentation)),
         ("alloc retries / OOMs", "-", f"{t.alloc_retries} / {t.ooms}"),
     ]
-    print(f"{args.snapshot}: device {trace.device}, {len(trace.events)} events, replay {args.mode}"
-          + (f", alloc-conf {config.source!r}" if args.alloc_conf is not None else ""))
+    print(f"{args.snapshot}: device {trace.device}, {len(trace)} events, replay {args.mode}"
+          + (f", alloc-conf {config.source!r}" if args.alloc_conf is not None else "")
+          + f", {result.engine} engine ({result.engine_reason})")
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  {'recorded':>14}  {'simulated':>14}")
     for name, r, s in rows:
@@ -126,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("replay", help="replay a CUDA memory snapshot through the allocator model")
-    r.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot() pickle")
+    r.add_argument("snapshot", help="a torch.cuda.memory._dump_snapshot() pickle or an .rlhftrace file")
     mode = r.add_mutually_exclusive_group()
     mode.add_argument("--anchored", dest="mode", action="store_const", const="anchored",
                       help="new segments take the recorded addresses (default)")
@@ -139,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device-memory-gib", type=float, default=None,
                    help="device capacity (default: inferred from the trace's oom entries, else unlimited)")
     r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")
+    r.add_argument("--engine", choices=("auto", "compiled", "python"), default="auto",
+                   help="allocator model: auto (compiled core when it supports the replay, default), or one of them")
     r.set_defaults(func=_replay)
 
     d = sub.add_parser("diff", help="per-PR memory diff of two result or budget files")

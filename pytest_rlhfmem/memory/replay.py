@@ -16,11 +16,17 @@ POOL_EXIT / POOL_RELEASE markers divert allocations to a private pool as ``use_m
 snapshot, :func:`~.trace.trace_from_snapshot` places them from the recorded addresses' segments, so
 both modes keep the recorded pool membership); a recorded ``oom`` entry is replayed as the failing
 request, and its free-memory figure gives the device capacity when none is given.
+
+Two engines replay (``replay_engine.py``, ``docs/replay-engine.md``): this module with ``allocator.py``
+(the reference; every mode) and the compiled core ``csrc/replay_core.cpp`` that mirrors them function by
+function for replays without private pools, series or replayed events, about 25 times faster. :func:`replay` uses the
+Python model unless asked (``engine="auto"``); :func:`replay_columns` (the CLI and the advisor) picks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
 from .metrics import MetricsCollector, WindowMetrics
@@ -29,12 +35,17 @@ from .trace import (
     SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
 )
 
+PYTHON = "python"
 ANCHORED = "anchored"
 FREE_RUNNING = "free-running"
 MODES = (ANCHORED, FREE_RUNNING)
 
 _RELEASES = (SEGMENT_FREE, SEGMENT_UNMAP)
 _CREATIONS = (SEGMENT_ALLOC, SEGMENT_MAP)
+
+
+if TYPE_CHECKING:
+    from .replay_engine import TraceColumns
 
 
 class ReplayError(ValueError):
@@ -53,8 +64,8 @@ class ReplayResult:
     final_reserved: int
     final_allocated: int
     final_requested: int
-    model: CachingAllocatorModel
-    collector: MetricsCollector
+    model: CachingAllocatorModel | None  # None from the compiled engine
+    collector: MetricsCollector | None  # None from the compiled engine
     mode: str
     unmatched_frees: int = 0
     flush_points: list[int] = field(default_factory=list)  # event indices where a flush released memory
@@ -67,10 +78,14 @@ class ReplayResult:
     capacity: int | None = None  # the device bytes the replay ran against
     capacity_source: str = "unlimited"  # "given", "inferred from the trace's oom entries" or "unlimited"
     oom_mismatches: int = 0  # recorded OOMs the model could satisfy (the block was handed back at once)
+    engine: str = "python"  # "python" (allocator.py) or "compiled" (csrc/replay_core.cpp): replay_engine.py
+    engine_reason: str = ""  # why that engine (replay_engine.engine_for)
 
     @property
     def segments(self) -> list[dict]:
-        """The end state in ``_snapshot()['segments']`` form (built on demand)."""
+        """The end state in ``_snapshot()['segments']`` form (built on demand; Python engine only)."""
+        if self.model is None:
+            raise ValueError("the compiled replay engine keeps no end state: replay with engine='python'")
         return self.model.snapshot_segments()
 
 
@@ -116,8 +131,14 @@ def infer_capacity(trace: Trace) -> int | None:
 
 
 def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE_RUNNING,
-           capacity: int | None = None, record_series: bool = True, record_events: bool = False) -> ReplayResult:
+           capacity: int | None = None, record_series: bool = True, record_events: bool = False,
+           engine: str = PYTHON) -> ReplayResult:
     """Replay ``trace``; returns a :class:`ReplayResult`.
+
+    ``engine``: ``python`` (this module and ``allocator.py``: the reference, and the only one returning
+    ``model`` and ``collector``), ``auto`` (the compiled core of ``replay_engine.py`` when it supports
+    this replay: no private pools, no series or events recorded; else Python) or
+    ``compiled`` (raises ``ValueError`` when unsupported). ``ReplayResult.engine`` says which ran.
 
     ``record_events`` keeps the replayed trace (``ReplayResult.events``): allocations at the addresses the
     model chose, with its own segment_alloc/segment_free events, ready for :func:`~.trace.write_snapshot`.
@@ -132,6 +153,63 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
     if mode not in MODES:
         raise ValueError(f"replay mode {mode!r}: allowed values are {', '.join(MODES)}")
     config = config or AllocatorConfig.from_snapshot_settings(trace.allocator_settings)
+    if engine != PYTHON:
+        from .replay_engine import columns_from_trace
+
+        return replay_columns(columns_from_trace(trace), config, mode, capacity, record_series, record_events,
+                              engine, trace=trace)
+    return _replay_python(trace, config, mode, capacity, record_series, record_events, "requested")
+
+
+def replay_columns(cols: TraceColumns, config: AllocatorConfig | None = None, mode: str = FREE_RUNNING,
+                   capacity: int | None = None, record_series: bool = False, record_events: bool = False,
+                   engine: str = "auto", flush_at: list[int] | tuple[int, ...] = (),
+                   flush_names: list[str] | tuple[str, ...] = (), trace: Trace | None = None) -> ReplayResult:
+    """:func:`replay` of a trace given as columns (``replay_engine.TraceColumns``), by the engine
+    :func:`~.replay_engine.engine_for` picks. ``flush_at``/``flush_names``: FLUSH events inserted before
+    those event indices (``advise.with_flushes``). ``trace``: the same trace as Events, if the caller has
+    it (saves rebuilding it for the Python engine). Raises as :func:`replay` does."""
+    from .replay_engine import engine_for, infer_capacity_columns, run_compiled
+
+    if mode not in MODES:
+        raise ValueError(f"replay mode {mode!r}: allowed values are {', '.join(MODES)}")
+    config = config or AllocatorConfig.from_snapshot_settings(cols.allocator_settings)
+    name, why = engine_for(cols, config, mode, record_series, record_events, engine)
+    if name == PYTHON:
+        if trace is None:
+            trace = cols.to_trace()
+        if flush_at:
+            trace = _with_flush_events(trace, flush_at, flush_names)
+        return _replay_python(trace, config, mode, capacity, record_series, record_events, why)
+    capacity_source = "given" if capacity is not None else "unlimited"
+    if capacity is None:
+        capacity = infer_capacity_columns(cols)
+        if capacity is not None:
+            capacity_source = "inferred from the trace's oom entries"
+    result = run_compiled(cols, config, capacity, flush_at, flush_names, mode)
+    result.capacity_source = capacity_source
+    result.engine_reason = why
+    return result
+
+
+def _with_flush_events(trace: Trace, positions, names) -> Trace:
+    """``trace`` with a FLUSH inserted before each index of ``positions`` (``advise.with_flushes``)."""
+    events = trace.events
+    out: list[Event] = []
+    last = 0
+    for pos, name in sorted(zip(positions, names)):
+        out.extend(events[last:pos])
+        t = events[pos - 1].time_us if pos > 0 else 0
+        out.append(Event(FLUSH, time_us=t, name=f"after-{name}"))
+        last = pos
+    out.extend(events[last:])
+    return Trace(events=out, initial_segments=trace.initial_segments, final_segments=trace.final_segments,
+                 allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
+                 device=trace.device)
+
+
+def _replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: int | None, record_series: bool,
+                   record_events: bool, engine_reason: str) -> ReplayResult:
     capacity_source = "given" if capacity is not None else "unlimited"
     if capacity is None:
         capacity = infer_capacity(trace)
@@ -327,7 +405,7 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
         mode=mode, unmatched_frees=unmatched_frees, flush_points=flush_points, flushes=flushes,
         cuda_frees_outside_flushes=st.num_device_free - flush_frees, requested_at_phase_end=requested_at_end,
         events=out_events, segment_maps=segment_maps, segment_unmaps=segment_unmaps, capacity=capacity,
-        capacity_source=capacity_source, oom_mismatches=oom_mismatches,
+        capacity_source=capacity_source, oom_mismatches=oom_mismatches, engine=PYTHON, engine_reason=engine_reason,
     )
 
 
@@ -440,6 +518,8 @@ def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace, res
         "capacity": result.capacity,
         "capacity_source": result.capacity_source,
         "capture": trace.capture,
+        "engine": result.engine,
+        "engine_reason": result.engine_reason,
         "recorded": {
             "segment_allocs": [s for _, s in rec.segment_allocs],
             "segment_free_batches": [[s for _, s in b] for b in rec.segment_free_batches],

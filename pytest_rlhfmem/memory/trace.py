@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import bisect
 import functools
+import gc
 import io
 import operator
 import pickle
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -122,6 +124,8 @@ def load_snapshot(path: str | Path) -> dict:
         data = p.read_bytes()
     except OSError as exc:
         raise SnapshotError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a million dicts: the cyclic GC would scan them again and again (3x the unpickling time)
     try:
         snap = _NoGlobalsUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as exc:
@@ -134,6 +138,9 @@ def load_snapshot(path: str | Path) -> dict:
         raise SnapshotError(f"{p}: not a valid pickle ({msg})") from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as exc:
         raise SnapshotError(f"{p}: truncated or corrupt pickle ({type(exc).__name__}: {exc})") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     if not isinstance(snap, dict) or "segments" not in snap or not isinstance(snap.get("segments"), list):
         kind = type(snap).__name__
         raise SnapshotError(f"{p}: not a torch.cuda.memory._snapshot() pickle (a {kind} without a "
@@ -322,31 +329,36 @@ def _with_pool_markers(events: list[Event], final_segments: list[dict], initial:
 
 
 def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], config: AllocatorConfig,
-                              source: str) -> list[SegmentState]:
+                              source: str, rows: Iterable[tuple[str, int, int, int]] | None = None
+                              ) -> list[SegmentState]:
+    """The segments that existed before ``events`` began. ``rows``: the events as (action, addr, size,
+    stream) tuples instead (the columnar loader's; ``events`` is then unused)."""
     live: set[int] = set()
     pre_live: dict[int, tuple[int, int]] = {}  # addr -> (requested size, stream): freed, never allocated
     created: set[int] = set()
     pre_segments: dict[int, tuple[int, int, bool]] = {}  # addr -> (size, stream, is_small)
     mapped_in_trace = 0
-    for e in events:
-        if e.action == ALLOC:
-            live.add(e.addr)
-        elif e.action == FREE:
-            if e.addr in live:
-                live.discard(e.addr)
+    if rows is None:
+        rows = ((e.action, e.addr, e.size, e.stream) for e in events)
+    for action, addr, size, stream in rows:
+        if action == ALLOC:
+            live.add(addr)
+        elif action == FREE:
+            if addr in live:
+                live.discard(addr)
             else:
-                pre_live[e.addr] = (e.size, e.stream)
-        elif e.action == SEGMENT_ALLOC:
-            created.add(e.addr)
-        elif e.action == SEGMENT_FREE:
-            if e.addr in created:
-                created.discard(e.addr)
+                pre_live[addr] = (size, stream)
+        elif action == SEGMENT_ALLOC:
+            created.add(addr)
+        elif action == SEGMENT_FREE:
+            if addr in created:
+                created.discard(addr)
             else:
-                pre_segments[e.addr] = (e.size, e.stream, e.size == kSmallBuffer)
-        elif e.action == SEGMENT_MAP:
-            mapped_in_trace += e.size
-        elif e.action == SEGMENT_UNMAP:
-            mapped_in_trace -= e.size
+                pre_segments[addr] = (size, stream, size == kSmallBuffer)
+        elif action == SEGMENT_MAP:
+            mapped_in_trace += size
+        elif action == SEGMENT_UNMAP:
+            mapped_in_trace -= size
     expandable_at_end = sum(s["total_size"] for s in final_segments if s.get("is_expandable"))
     if expandable_at_end != mapped_in_trace:
         raise SnapshotError(

@@ -29,6 +29,7 @@ import struct
 import sys
 import zlib
 from array import array
+from itertools import accumulate, repeat
 from pathlib import Path
 
 from .trace import Event, SegmentState, Trace
@@ -116,8 +117,8 @@ def save_trace(path: str | Path, trace: Trace) -> Path:
     return p
 
 
-def load_trace(path: str | Path) -> Trace:
-    """Read a file written by :func:`save_trace`. Raises :class:`TraceFileError` (one line: file and reason)."""
+def _read(path: str | Path) -> tuple[Path, dict, list[array]]:
+    """The header and the six payload columns of a trace file (codes, addr, size, stream, dtime, name)."""
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -153,23 +154,59 @@ def load_trace(path: str | Path) -> Trace:
     for tc, w in zip("Bqqqqi", widths):
         cols.append(_from_le(tc, raw[pos:pos + n * w]))
         pos += n * w
-    codes, addr, size, stream, dtime, name_col = cols
-    if n and (max(codes) >= len(actions) or max(name_col) >= len(names)):
+    codes, name_col = cols[0], cols[5]
+    # every action code < len(actions) (bytes.translate deletes the valid ones), every name index in [-1, len)
+    if codes.tobytes().translate(None, bytes(range(len(actions)))) or not set(name_col) <= set(range(-1, len(names))):
         raise TraceFileError(f"{p}: corrupt trace payload (an action or name index out of range)")
-    events: list[Event] = []
-    append = events.append
-    t = 0
-    for i in range(n):
-        t += dtime[i]
-        k = name_col[i]
-        append(Event(actions[codes[i]], addr[i], size[i], stream[i], t, names[k] if k >= 0 else ""))
+    header["actions"], header["names"] = actions, names
+    return p, header, cols
+
+
+def _initial_segments(p: Path, header: dict) -> list[SegmentState]:
     try:
-        initial = [SegmentState(int(a), int(ts), int(s), bool(sm), [tuple(b) for b in blocks])
-                   for a, ts, s, sm, blocks in header.get("initial_segments") or []]
+        return [SegmentState(int(a), int(ts), int(s), bool(sm), [tuple(b) for b in blocks])
+                for a, ts, s, sm, blocks in header.get("initial_segments") or []]
     except (TypeError, ValueError):
         raise TraceFileError(f"{p}: corrupt trace header (initial_segments)") from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a file written by :func:`save_trace`. Raises :class:`TraceFileError` (one line: file and reason)."""
+    p, header, cols = _read(path)
+    actions, names = header["actions"], header["names"] + [""]  # index -1: no name
+    codes, addr, size, stream, dtime, name_col = cols
+    rows = zip(map(actions.__getitem__, codes), addr, size, stream, accumulate(dtime), map(names.__getitem__, name_col))
+    events: list[Event] = list(map(tuple.__new__, repeat(Event), rows))  # Event(*row), in C
+    initial = _initial_segments(p, header)
     return Trace(events=events, initial_segments=initial, allocator_settings=header.get("allocator_settings"),
                  capture=str(header.get("capture", "")), source=str(header.get("source", "")))
+
+
+def load_columns(path: str | Path):
+    """:func:`load_trace` without the Event objects: a ``replay_engine.TraceColumns`` whose action codes
+    are the replay engine's (one ``bytes.translate``), times kept as differences (``time_is_delta``).
+    Raises :class:`TraceFileError`."""
+    from .replay_engine import CODE, OTHER, TraceColumns
+
+    p, header, cols = _read(path)
+    codes, addr, size, stream, dtime, name_col = cols
+    table = bytearray(range(256))
+    for i, a in enumerate(header["actions"]):
+        table[i] = CODE.get(a, OTHER)
+    return TraceColumns(
+        action=codes.tobytes().translate(bytes(table)), addr=addr, size=size, stream=stream, time_us=dtime,
+        name=name_col, names=header["names"], time_is_delta=True, initial_segments=_initial_segments(p, header),
+        allocator_settings=header.get("allocator_settings"), capture=str(header.get("capture", "")),
+        source=str(header.get("source", "")))
+
+
+def is_trace_file(path: str | Path) -> bool:
+    """Whether ``path`` begins with this format's magic (``False`` when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def store_beside(results: list[dict], json_path: str | Path) -> None:

@@ -1,0 +1,565 @@
+"""Which engine replays a trace, and the compiled one (``csrc/replay_core.cpp``) behind ctypes.
+
+Two engines give the same figures (``tests/test_replay_core.py`` holds them to it, field for field):
+
+- ``python``: :class:`~.allocator.CachingAllocatorModel` through :func:`~.replay.replay`, the readable
+  reference that mirrors ``c10/cuda/CUDACachingAllocator.cpp``; it replays everything.
+- ``compiled``: ``csrc/replay_core.cpp``, the same functions under the same names (``malloc``,
+  ``get_free_block``, ``alloc_found_block``, ``free_block``, ``release_cached_blocks``, ...) for the
+  default allocator in free-running mode: about two orders of magnitude faster. :func:`engine_for` says
+  when it applies and, when not, why.
+
+The compiled core is built with the system's ``g++ -O2 -shared -fPIC`` (never through torch: ``import
+torch`` alone costs 1.5 s) into ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default ``~/.cache``), named by a hash
+of the source and the compiler, under a ``filelock``; it is loaded with ctypes. Without a compiler the
+Python engine replays everything, after a one-line notice on stderr.
+
+A trace reaches the core as columns (:class:`TraceColumns`): action codes as ``bytes`` and ``array('q')``
+address, size, stream and time columns, never as a million ``Event`` objects.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from array import array
+from dataclasses import dataclass, field
+from operator import itemgetter
+from pathlib import Path
+
+from .allocator import DEFAULT_POOL, AllocatorConfig, kRoundUpPowerOfTwoIntervals
+from .trace import (
+    ALLOC, FLUSH, FREE, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
+    SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
+)
+
+SOURCE = Path(__file__).with_name("csrc") / "replay_core.cpp"
+COMPILED = "compiled"
+PYTHON = "python"
+ENGINES = ("auto", COMPILED, PYTHON)
+
+# Action codes shared with replay_core.cpp (enum Action): the index in this tuple. Anything else is OTHER.
+ACTIONS = (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, POOL_ENTER, POOL_EXIT,
+           POOL_RELEASE, PHASE, PHASE_END, FLUSH)
+OTHER = len(ACTIONS)
+CODE = {a: i for i, a in enumerate(ACTIONS)}
+_SEGMENT_CODES = bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
+
+
+class EngineUnavailable(RuntimeError):
+    """The compiled core cannot be built or loaded here; the message says why (e.g. no g++)."""
+
+
+@dataclass
+class TraceColumns:
+    """A :class:`~.trace.Trace` as columns, ``n`` events long.
+
+    ``action``: one code per event (index into :data:`ACTIONS`, :data:`OTHER` for the rest); ``addr``,
+    ``size``, ``stream``, ``time_us``: ``array('q')`` (``time_is_delta``: differences from the previous
+    event, as ``.rlhftrace`` stores them); ``name``: ``array('i')`` index into ``names`` or -1. The other
+    fields are the Trace's own.
+    """
+
+    action: bytes
+    addr: array
+    size: array
+    stream: array
+    time_us: array
+    name: array
+    names: list[str]
+    time_is_delta: bool = False
+    initial_segments: list[SegmentState] = field(default_factory=list)
+    final_segments: list[dict] | None = None
+    allocator_settings: dict | None = None
+    capture: str = ""
+    source: str = ""
+    device: int = 0
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+    def has_segment_events(self) -> bool:
+        return any(bytes([c]) in self.action for c in _SEGMENT_CODES)
+
+    def has_pool_markers(self) -> bool:
+        return any(bytes([CODE[a]]) in self.action for a in (POOL_ENTER, POOL_EXIT, POOL_RELEASE))
+
+    def count(self, *actions: str) -> int:
+        """Events whose action is one of ``actions`` (C speed: ``bytes.count``)."""
+        return sum(self.action.count(bytes([CODE[a]])) for a in actions)
+
+    def absolute_times(self) -> array:
+        if not self.time_is_delta:
+            return self.time_us
+        out, t = array("q"), 0
+        for d in self.time_us:
+            t += d
+            out.append(t)
+        return out
+
+    def to_trace(self) -> Trace:
+        """The Event list (for the Python engine): one Python object per event."""
+        names, acts = self.names, ACTIONS + ("other",)
+        times = self.absolute_times()
+        events = [Event(acts[c], a, s, st, t, names[k] if k >= 0 else "")
+                  for c, a, s, st, t, k in zip(self.action, self.addr, self.size, self.stream, times, self.name)]
+        return Trace(events=events, initial_segments=self.initial_segments, final_segments=self.final_segments,
+                     allocator_settings=self.allocator_settings, capture=self.capture, source=self.source,
+                     device=self.device)
+
+
+def columns_from_trace(trace: Trace) -> TraceColumns:
+    """The columns of ``trace`` (one pass over its events; an unknown action becomes OTHER)."""
+    names: list[str] = []
+    index: dict[str, int] = {"": -1}
+
+    def name_of(n: str) -> int:
+        k = index.get(n)
+        if k is None:
+            k = index[n] = len(names)
+            names.append(n)
+        return k
+
+    ev = trace.events
+    get = CODE.get
+
+    def column(i: int) -> array:
+        return array("q", map(itemgetter(i), ev))
+
+    return TraceColumns(
+        action=bytes([get(e[0], OTHER) for e in ev]),
+        addr=column(1), size=column(2), stream=column(3), time_us=column(4),
+        name=array("i", map(name_of, map(itemgetter(5), ev))), names=names,
+        initial_segments=trace.initial_segments, final_segments=trace.final_segments,
+        allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
+        device=trace.device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Building and loading the core
+# ---------------------------------------------------------------------------------------------------
+
+_lib: ctypes.CDLL | None = None
+_unavailable: str | None = None
+_CXXFLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def library_path() -> Path:
+    """Build the core if no cached build matches (source, flags, compiler binary); return its path.
+
+    Raises :class:`EngineUnavailable` without a compiler or when the build fails.
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise EngineUnavailable(f"no C++ compiler ({os.environ.get('CXX') or 'g++'} not on PATH)")
+    real = os.path.realpath(cxx)
+    st = os.stat(real)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode()
+                         + f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
+    out = cache / f"replay_core_{key}.so"
+    if out.exists():
+        return out
+    from filelock import FileLock
+
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / "replay_core.lock")):
+        if out.exists():  # another process built it while this one waited
+            return out
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            proc = subprocess.run([cxx, *_CXXFLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise EngineUnavailable(f"cannot run {cxx}: {exc}") from None
+        if proc.returncode != 0:
+            raise EngineUnavailable(f"{cxx} failed building {SOURCE.name}: {proc.stderr.strip()[-1000:]}")
+        tmp.replace(out)
+    return out
+
+
+def load_library() -> ctypes.CDLL:
+    """The loaded core (built on first use). Raises :class:`EngineUnavailable`."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(str(library_path()))
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.rc_new.argtypes, lib.rc_new.restype = [p, ctypes.c_double], p
+        lib.rc_import_segment.argtypes, lib.rc_import_segment.restype = [p, i64, i64, i64, i32, i64, p], None
+        lib.rc_run.argtypes, lib.rc_run.restype = [p, i64, p, p, p, p, p, i32, i64, p], i32
+        lib.rc_result_size.argtypes, lib.rc_result_size.restype = [p], i64
+        lib.rc_result_copy.argtypes, lib.rc_result_copy.restype = [p, p], None
+        lib.rc_free.argtypes, lib.rc_free.restype = [p], None
+        lib.rc_infer_capacity.argtypes, lib.rc_infer_capacity.restype = [i64, p, p, p, i64, p], i32
+        _lib = lib
+    return _lib
+
+
+def compiled_available() -> tuple[bool, str]:
+    """``(True, "")`` when the core loads here, else ``(False, reason)``; the first failure prints one
+    notice on stderr (the Python engine then replays everything)."""
+    global _unavailable
+    if _lib is not None:
+        return True, ""
+    if _unavailable is None:
+        try:
+            load_library()
+            return True, ""
+        except (EngineUnavailable, OSError) as exc:
+            _unavailable = str(exc)
+            print(f"rlhfmem: note: compiled replay engine unavailable ({_unavailable}); replaying in Python",
+                  file=sys.stderr)
+    return False, _unavailable
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which engine
+# ---------------------------------------------------------------------------------------------------
+
+
+def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, record_series: bool = False,
+               record_events: bool = False, requested: str = "auto") -> tuple[str, str]:
+    """``(engine, reason)``: the engine a replay takes and why. ``requested`` is ``auto`` (the compiled
+    core when it supports the replay), ``python`` or ``compiled`` (raises ``ValueError`` naming the
+    reason when the core cannot replay this)."""
+    if requested not in ENGINES:
+        raise ValueError(f"replay engine {requested!r}: allowed values are {', '.join(ENGINES)}")
+    if requested == PYTHON:
+        return PYTHON, "requested"
+    why = None
+    if record_series:
+        why = "the per-event series is recorded by the Python model"
+    elif record_events:
+        why = "the replayed events are recorded by the Python model"
+    elif cols is not None and cols.has_pool_markers():
+        why = "private pools (pool markers in the trace) are replayed by the Python model"
+    elif cols is not None and any(s.pool_id != DEFAULT_POOL for s in cols.initial_segments):
+        why = "a private pool's segment existed before the trace: replayed by the Python model"
+    else:
+        ok, reason = compiled_available()
+        if not ok:
+            why = f"compiled core unavailable: {reason}"
+    if why is None:
+        return COMPILED, f"{mode}, no private pools"
+    if requested == COMPILED:
+        raise ValueError(f"the compiled replay engine cannot replay this: {why}")
+    return PYTHON, why
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the core
+# ---------------------------------------------------------------------------------------------------
+
+
+def _buf(a: array | bytes) -> int:
+    if isinstance(a, bytes):
+        return ctypes.cast(ctypes.c_char_p(a), ctypes.c_void_p).value or 0
+    return a.buffer_info()[0]
+
+
+def infer_capacity_columns(cols: TraceColumns) -> int | None:
+    """:func:`~.replay.infer_capacity` on columns (compiled when available, else through the Event list)."""
+    if bytes([CODE[OOM]]) not in cols.action:
+        return None
+    initial = sum(s.total_size for s in cols.initial_segments)
+    ok, _ = compiled_available()
+    if not ok:
+        from .replay import infer_capacity
+
+        return infer_capacity(cols.to_trace())
+    cap = array("q", [0])
+    found = load_library().rc_infer_capacity(len(cols), _buf(cols.action), _buf(cols.addr), _buf(cols.size), initial,
+                                             _buf(cap))
+    return cap[0] if found else None
+
+
+def _segment_pieces(seg: SegmentState) -> array:
+    """``import_segment``'s blocks as (address, size, requested or -1) triples; raises ``ValueError`` as
+    :meth:`~.allocator.CachingAllocatorModel.import_segment` does."""
+    out = array("q")
+    cursor, end = seg.address, seg.address + seg.total_size
+    for b_addr, b_size, b_req in sorted(seg.live_blocks):
+        if b_addr < cursor or b_addr + b_size > end:
+            raise ValueError(f"live block 0x{b_addr:x}+{b_size} does not fit segment 0x{seg.address:x}+"
+                             f"{seg.total_size}")
+        if b_addr > cursor:
+            out.extend((cursor, b_addr - cursor, -1))
+        out.extend((b_addr, b_size, b_req))
+        cursor = b_addr + b_size
+    if cursor < end:
+        out.extend((cursor, end - cursor, -1))
+    return out
+
+
+_NONE = -(2**63)
+_WINDOW_FIELDS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "max_fragmentation",
+                  "inactive_split_at_peak", "cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms",
+                  "events", "start_us", "end_us")
+
+
+def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | None,
+                 flush_at: list[int] | tuple[int, ...] = (), flush_names: list[str] | tuple[str, ...] = (),
+                 mode: str = "free-running"):
+    """Replay ``cols`` through the compiled core in ``mode`` (``free-running`` or ``anchored``, as
+    :func:`~.replay.replay`); returns a :class:`~.replay.ReplayResult` (``model`` and ``collector`` None,
+    ``engine`` "compiled").
+
+    ``flush_at``: sorted event indices before which a FLUSH named ``flush_names[k]`` is inserted (the
+    advisor's candidates, as ``advise.with_flushes``), without copying the columns in Python. Raises
+    :class:`~.replay.ReplayError` for a segment that existed before the trace whose blocks do not fit it,
+    ``ValueError`` for a double free. ``capacity`` is bytes (``None``: unlimited).
+    """
+    from .metrics import WindowMetrics
+    from .replay import ANCHORED, ReplayError, ReplayResult
+
+    lib = load_library()
+    cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
+                      capacity or 0, int(capacity is not None)])
+    cfg.extend(config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals])
+    cfg.append(int(config.expandable_segments))
+    cfg.append(int(mode == ANCHORED))
+    inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
+    h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))
+    try:
+        for seg in cols.initial_segments:
+            try:
+                pieces = _segment_pieces(seg)
+            except ValueError as exc:
+                raise ReplayError(f"{cols.source or 'trace'}: a segment that existed before the trace: {exc}") from None
+            lib.rc_import_segment(h, seg.address, seg.total_size, seg.stream, int(seg.is_small), len(pieces) // 3,
+                                  _buf(pieces))
+        fa = array("q", [p for p, _ in inserted])
+        n = len(cols)
+        rc = lib.rc_run(h, n, _buf(cols.action), _buf(cols.addr), _buf(cols.size), _buf(cols.stream),
+                        _buf(cols.time_us), int(cols.time_is_delta), len(fa), _buf(fa) if fa else None)
+        out = array("q", bytes(8 * lib.rc_result_size(h)))
+        lib.rc_result_copy(h, _buf(out))
+    finally:
+        lib.rc_free(h)
+    (error, error_event, final_reserved, final_allocated, final_requested, unmatched, oom_mismatches, num_free,
+     flush_frees, peak_phase, n_phases, n_dec, n_flush, n_points, n_req, _num_alloc) = out[:16]
+
+    # Event index in the replayed list (flushes inserted) -> the name of its event.
+    def name_of(v: int) -> str:
+        # v counts the inserted flushes before it: undo that to find the original event or the flush
+        k = 0
+        while k < len(inserted) and inserted[k][0] + k <= v:
+            if inserted[k][0] + k == v:
+                return f"after-{inserted[k][1]}"
+            k += 1
+        i = v - k
+        j = cols.name[i]
+        return cols.names[j] if j >= 0 else ""
+
+    if rc == 1:
+        raise ValueError(f"double free at event {error_event} (model address reused by the trace)")
+    if rc == 2:
+        raise ReplayError(f"{cols.source or 'trace'}: event {error_event}: the compiled engine does not replay "
+                          "private pools")
+    pos = 16
+
+    def window(phase: str) -> WindowMetrics:
+        nonlocal pos
+        f = out[pos:pos + 13]
+        pos += 13
+        kw = dict(zip(_WINDOW_FIELDS, f))
+        for k in ("fragmentation_at_peak", "inactive_split_at_peak"):
+            if kw[k] == _NONE:
+                kw[k] = None
+        return WindowMetrics(phase=phase if phase else name_of(f[12]), **kw)
+
+    total = window("iteration")
+    phases = [window("") for _ in range(n_phases)]
+    segment_allocs: list[tuple[int, int]] = []
+    batches: list[list[tuple[int, int]]] = []
+    maps: list[tuple[int, int]] = []
+    unmaps: list[tuple[int, int]] = []
+    for k in range(n_dec):
+        kind, a, s = out[pos + 3 * k:pos + 3 * k + 3]
+        if kind == 0:
+            segment_allocs.append((a, s))
+        elif kind == 1:
+            batches.append([(a, s)])
+        elif kind == 2:
+            batches[-1].append((a, s))
+        elif kind == 3:
+            maps.append((a, s))
+        else:
+            unmaps.append((a, s))
+    pos += 3 * n_dec
+    flushes = []
+    for k in range(n_flush):
+        ev, ph, released, segs, req_b, req_a = out[pos + 6 * k:pos + 6 * k + 6]
+        flushes.append({"name": name_of(ev), "phase": phases[ph].phase if ph >= 0 else None,
+                        "released_bytes": released, "segments_released": segs, "requested_before": req_b,
+                        "requested_after": req_a})
+    pos += 6 * n_flush
+    flush_points = list(out[pos:pos + n_points])
+    pos += n_points
+    requested_at_end = {phases[out[pos + 2 * k]].phase: out[pos + 2 * k + 1] for k in range(n_req)}
+    return ReplayResult(
+        total=total, phases=phases, peak_phase=phases[peak_phase].phase if peak_phase >= 0 else None,
+        segment_allocs=segment_allocs, segment_free_batches=batches, final_reserved=final_reserved,
+        final_allocated=final_allocated, final_requested=final_requested, model=None, collector=None,
+        mode=mode, unmatched_frees=unmatched, flush_points=flush_points, flushes=flushes,
+        cuda_frees_outside_flushes=num_free - flush_frees, requested_at_phase_end=requested_at_end,
+        capacity=capacity, oom_mismatches=oom_mismatches, engine=COMPILED, segment_maps=maps, segment_unmaps=unmaps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Snapshot pickles to columns
+# ---------------------------------------------------------------------------------------------------
+
+# trace.py's _trace_from_snapshot: the entries kept and their actions (free_requested, snapshot, ... skipped).
+_KEPT = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC, SEGMENT_FREE: SEGMENT_FREE,
+         SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
+
+
+def columns_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
+                          source: str = "") -> TraceColumns:
+    """:func:`~.trace.trace_from_snapshot` as columns: the same events, initial segments and errors.
+
+    The lean path reads each field of the kept entries with ``operator.itemgetter`` straight into an
+    ``array('q')`` (no Event objects); an entry it cannot read that way (a missing ``stream``, a ``None``,
+    a negative number) or a snapshot with private pools takes ``trace_from_snapshot`` itself and
+    converts its Events. Raises :class:`~.trace.SnapshotError`.
+    """
+    import gc
+    from itertools import compress
+
+    from .allocator import AllocatorConfigError
+    from .trace import (
+        CAPTURE_CUDA, SnapshotError, _normalize_segment, _pick_device, _rebuild_initial_segments, trace_from_snapshot,
+    )
+
+    src = source or "snapshot"
+
+    def slow() -> TraceColumns:
+        return columns_from_trace(trace_from_snapshot(snap, device, config, source))
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dev = _pick_device(snap, device, src)
+        try:
+            cfg = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+            traces = snap.get("device_traces") or []
+            raw = (traces[dev] if dev < len(traces) else None) or []
+            segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
+        except (AllocatorConfigError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return slow()  # its error message
+        if any(s["segment_pool_id"] != DEFAULT_POOL for s in segments):
+            return slow()  # pool markers: placed from the Events
+        try:
+            names = list(map(itemgetter("action"), raw))
+            keep = [a in _KEPT for a in names]
+            kept = list(compress(raw, keep)) if not all(keep) else raw
+            acts = [_KEPT[a] for a in compress(names, keep)]
+            cols = [array("q", map(itemgetter(k), kept)) for k in ("addr", "size", "stream", "time_us")]
+        except (KeyError, TypeError, OverflowError):
+            return slow()
+        if any(c and min(c) < 0 for c in cols):
+            return slow()
+        addr, size, stream, time_us = cols
+        try:
+            initial = _rebuild_initial_segments([], segments, cfg, src, rows=zip(acts, addr, size, stream))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            if isinstance(exc, SnapshotError):
+                raise
+            return slow()
+        return TraceColumns(
+            action=bytes(map(CODE.__getitem__, acts)), addr=addr, size=size, stream=stream, time_us=time_us,
+            name=array("i", [-1]) * len(acts), names=[],
+            initial_segments=initial, final_segments=segments, allocator_settings=snap.get("allocator_settings"),
+            capture=CAPTURE_CUDA, source=src, device=dev)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+_RECORDED = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
+                                                                 OOM))) + b"]")
+_BATCH_BREAK = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (ALLOC, FREE, FLUSH))) + b"]")
+
+
+def recorded_summary_columns(cols: TraceColumns):
+    """:func:`~.replay.recorded_summary` on columns: visits only the segment and oom events (found by a
+    regular expression over the action codes, at C speed) and asks the same expression language whether
+    an alloc, free or flush lies between two segment_free events (which ends a batch)."""
+    from .replay import RecordedSummary
+
+    reserved = sum(s.total_size for s in cols.initial_segments)
+    initial = peak = reserved
+    allocs: list[tuple[int, int]] = []
+    maps: list[tuple[int, int]] = []
+    unmaps: list[tuple[int, int]] = []
+    batches: list[list[tuple[int, int]]] = []
+    last_free, ooms, prev = False, 0, -1
+    act, addr, size = cols.action, cols.addr, cols.size
+    c_alloc, c_free, c_map, c_unmap = (CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
+    for m in _RECORDED.finditer(act):
+        i = m.start()
+        if last_free and _BATCH_BREAK.search(act, prev + 1, i):
+            last_free = False
+        prev = i
+        a = act[i]
+        if a == c_map:
+            maps.append((addr[i], size[i]))
+            reserved += size[i]
+            peak = max(peak, reserved)
+        elif a == c_unmap:
+            unmaps.append((addr[i], size[i]))
+            reserved -= size[i]
+        elif a == c_alloc:
+            allocs.append((addr[i], size[i]))
+            reserved += size[i]
+            peak = max(peak, reserved)
+            last_free = False
+        elif a == c_free:
+            if not last_free:
+                batches.append([])
+                last_free = True
+            batches[-1].append((addr[i], size[i]))
+            reserved -= size[i]
+        else:
+            ooms += 1
+    fs = cols.final_segments
+    return RecordedSummary(
+        segment_allocs=allocs, segment_free_batches=batches, peak_reserved=peak,
+        final_reserved=sum(s["total_size"] for s in fs) if fs is not None else None,
+        final_allocated=sum(s["allocated_size"] for s in fs) if fs is not None else None,
+        initial_reserved=initial, segment_maps=maps, segment_unmaps=unmaps, ooms=ooms,
+    )
+
+
+def load_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, AllocatorConfig]:
+    """``rlhfmem replay``'s input as columns, with the recorded allocator settings: an ``.rlhftrace`` file
+    (``trace_io.load_columns``) or a snapshot pickle (:func:`columns_from_snapshot`; blocks that existed
+    before the trace are sized with the recorded settings, as they were allocated). Raises
+    :class:`~.trace.SnapshotError`, ``trace_io.TraceFileError`` or ``AllocatorConfigError``."""
+    from .allocator import AllocatorConfigError
+    from .trace import SnapshotError, load_snapshot
+    from .trace_io import is_trace_file, load_columns
+
+    if is_trace_file(path):
+        cols = load_columns(path)
+        cols.source = cols.source or path
+        try:
+            return cols, AllocatorConfig.from_snapshot_settings(cols.allocator_settings)
+        except (AllocatorConfigError, AttributeError, TypeError) as exc:
+            raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
+    snap = load_snapshot(path)
+    try:
+        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+    except (AllocatorConfigError, AttributeError, TypeError) as exc:
+        raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
+    return columns_from_snapshot(snap, device, recorded_config, path), recorded_config

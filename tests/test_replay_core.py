@@ -1,0 +1,257 @@
+"""Differential tests: the compiled replay core (memory/csrc/replay_core.cpp) against the Python model
+(memory/allocator.py + replay.py), the reference it mirrors.
+
+Random traces (allocations of every size class on two streams, LIFO-ish and random frees, flushes, phases,
+recorded cudaFree batches, requests past a device capacity, blocks live before the trace began) under
+random allocator settings must give IDENTICAL results from both engines: every WindowMetrics field of
+the iteration and of every phase, the cudaMalloc/cudaFree decision sequence (addresses and sizes), the
+flushes, the end state's byte counts. So must every real GPU snapshot the compiled engine accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from pytest_rlhfmem.memory.allocator import MiB, AllocatorConfig
+from pytest_rlhfmem.memory.replay import ANCHORED, FREE_RUNNING, ReplayResult, replay, replay_columns
+from pytest_rlhfmem.memory.replay_engine import (
+    COMPILED, PYTHON, columns_from_snapshot, columns_from_trace, engine_for, recorded_summary_columns,
+)
+from pytest_rlhfmem.memory.replay import recorded_summary
+from pytest_rlhfmem.memory.trace import (
+    ALLOC, FLUSH, FREE, OOM, PHASE, PHASE_END, SEGMENT_ALLOC, SEGMENT_FREE, Event, SegmentState, Trace,
+    load_snapshot, trace_from_snapshot,
+)
+from tests.helpers import shared_snapshot
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None,
+                               reason="no C++ compiler (g++) to build the compiled replay core")
+
+FIELDS = ("total", "phases", "peak_phase", "segment_allocs", "segment_free_batches", "final_reserved",
+          "final_allocated", "final_requested", "unmatched_frees", "flush_points", "flushes",
+          "cuda_frees_outside_flushes", "requested_at_phase_end", "capacity", "capacity_source", "oom_mismatches",
+          "segment_maps", "segment_unmaps", "mode")
+
+
+def assert_same(py: ReplayResult, cc: ReplayResult) -> None:
+    assert py.engine == PYTHON and cc.engine == COMPILED
+    for f in FIELDS:
+        a, b = getattr(py, f), getattr(cc, f)
+        if f in ("total",):
+            a, b = asdict(a), asdict(b)
+        elif f == "phases":
+            a, b = [asdict(w) for w in a], [asdict(w) for w in b]
+        assert a == b, f"{f} differs: python {a!r} compiled {b!r}"
+
+
+sizes = st.one_of(
+    st.integers(1, 4096),  # tiny: 512-byte blocks in the small pool
+    st.integers(4096, 1 * MiB),  # small pool
+    st.integers(1 * MiB + 1, 10 * MiB),  # large pool, 20 MiB segments
+    st.integers(10 * MiB, 40 * MiB),  # large pool, own segments
+    st.sampled_from([2 * MiB, 20 * MiB, 21 * MiB, 64 * MiB, 96 * MiB]),  # around the thresholds
+)
+OPS = ["alloc"] * 6 + ["free"] * 5 + ["flush", "phase", "phase_end", "segment_free_batch", "oom", "free_unknown",
+                                      "free_model_address", "segment_alloc"]
+ops = st.lists(st.tuples(st.sampled_from(OPS), sizes, st.integers(0, 10**6), st.integers(0, 1)),
+               min_size=1, max_size=250)
+
+roundups = st.sampled_from(["0", "1", "2", "4", "8", "16", "[1:4,16:2,>:1]", "[2:8,>:2]", "[64:8,256:4,>:1]"])
+
+
+@st.composite
+def configs(draw) -> str:
+    parts = []
+    if draw(st.booleans()):
+        parts.append(f"max_split_size_mb:{draw(st.integers(21, 120))}")
+    if draw(st.booleans()):
+        parts.append(f"max_non_split_rounding_mb:{draw(st.integers(0, 64))}")
+    if draw(st.booleans()):
+        parts.append(f"roundup_power2_divisions:{draw(roundups)}")
+    if draw(st.booleans()):
+        parts.append(f"garbage_collection_threshold:{draw(st.sampled_from([0.1, 0.3, 0.5, 0.6, 0.8, 0.95]))}")
+    if draw(st.integers(0, 2)) == 0:
+        parts.append("expandable_segments:True")
+    return ",".join(parts)
+
+
+def build_trace(ops_list, with_initial: bool) -> Trace:
+    events: list[Event] = []
+    live: list[int] = []
+    next_addr = 1 << 30
+    phase = 0
+    t = 0
+    initial: list[SegmentState] = []
+    if with_initial:  # one large and one small segment live before the trace, with blocks freed in it
+        initial = [SegmentState(0x1000_0000, 20 * MiB, 0, False, [(0x1000_0000, 4 * MiB, 4 * MiB - 100),
+                                                                 (0x1000_0000 + 8 * MiB, 2 * MiB, 2 * MiB)]),
+                   SegmentState(0x2000_0000, 2 * MiB, 1, True, [(0x2000_0000 + 4096, 1024, 1000)])]
+        live_before = [0x1000_0000, 0x1000_0000 + 8 * MiB, 0x2000_0000 + 4096]
+    else:
+        live_before = []
+    for op, size, r, stream in ops_list:
+        t += r % 7
+        if op == "alloc":
+            next_addr += 1 << 12
+            events.append(Event(ALLOC, next_addr, size, stream, t))
+            live.append(next_addr)
+        elif op == "free" and (live or live_before):
+            pool = live if live else live_before
+            i = len(pool) - 1 - (r % 3 if r % 4 else r % len(pool)) if len(pool) > 3 else r % len(pool)
+            events.append(Event(FREE, pool.pop(i), 0, stream, t))
+        elif op == "free_unknown":
+            events.append(Event(FREE, 7 + r, 0, stream, t))  # never allocated: unmatched
+        elif op == "free_model_address" and with_initial:
+            # an address inside a segment that existed before the trace: it may name a block the model
+            # placed there (found through active_blocks), so a later free of its recorded address is a
+            # double free, which both engines must refuse
+            events.append(Event(FREE, 0x1000_0000 + (r % 40) * 512 * 1024, 0, stream, t))
+        elif op == "flush":
+            events.append(Event(FLUSH, time_us=t, name=f"flush{r % 3}"))
+        elif op == "phase":
+            phase += 1
+            events.append(Event(PHASE, time_us=t, name=f"p{phase % 4}"))  # names repeat, as phases do
+        elif op == "phase_end":
+            events.append(Event(PHASE_END, time_us=t, name=f"p{phase % 4}"))
+        elif op == "segment_free_batch":  # a recorded cudaFree batch, maybe followed by a recorded cudaMalloc
+            events.append(Event(SEGMENT_FREE, 1 << 40, 2 * MiB, 0, t))
+            events.append(Event(SEGMENT_FREE, (1 << 40) + (4 << 20), 20 * MiB, 0, t))
+            if r % 2:  # the recorded cudaMalloc: its size may or may not be the one the model asks for
+                events.append(Event(SEGMENT_ALLOC, (1 << 41) + (r << 24), [20 * MiB, 2 * MiB, size][r % 3], 0, t))
+                next_addr += 1 << 12
+                events.append(Event(ALLOC, next_addr, size, stream, t))
+                live.append(next_addr)
+        elif op == "segment_alloc":  # a recorded cudaMalloc (anchored mode takes its address if the size agrees)
+            events.append(Event(SEGMENT_ALLOC, (1 << 42) + (r << 24), [20 * MiB, 2 * MiB, size][r % 3], 0, t))
+        elif op == "oom":
+            events.append(Event(OOM, (r * 4096) if r % 3 else 0, size, stream, t))
+    return Trace(events=events, initial_segments=initial)
+
+
+@needs_gxx
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops_list=ops, conf=configs(), capacity=st.sampled_from([None, None, 24 * MiB, 64 * MiB, 200 * MiB]),
+       with_initial=st.booleans(), mode=st.sampled_from([FREE_RUNNING, ANCHORED]))
+def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capacity, with_initial, mode):
+    trace = build_trace(ops_list, with_initial)
+    config = AllocatorConfig.parse(conf)
+    try:
+        py = replay(trace, config, mode, capacity=capacity, record_series=False)
+    except ValueError as exc:
+        assert "double free" in str(exc)
+        event("double free")
+        with pytest.raises(ValueError, match="double free"):
+            replay(trace, config, mode, capacity=capacity, record_series=False, engine=COMPILED)
+        return
+    cc = replay(trace, config, mode, capacity=capacity, record_series=False, engine=COMPILED)
+    event(f"ooms {'>0' if py.total.ooms else '0'}, retries {'>0' if py.total.alloc_retries else '0'}, "
+          f"flush released {'>0' if any(f['released_bytes'] for f in py.flushes) else '0'}, "
+          f"unmaps {'>0' if py.segment_unmaps else '0'}")
+    if mode == ANCHORED and any((1 << 41) <= a < (1 << 56) for a, _ in py.segment_allocs):
+        event("anchored: a segment took a recorded address")
+    assert_same(py, cc)
+
+
+@needs_gxx
+@settings(max_examples=100, deadline=None)
+@given(ops_list=ops, conf=configs(), data=st.data())
+def test_inserted_flushes_equal_flush_events(ops_list, conf, data):
+    """The advisor's candidates: FLUSH events inserted by the core (flush_at) equal the same events in
+    the list replayed by the Python model."""
+    trace = build_trace(ops_list, False)
+    n = len(trace.events)
+    positions = data.draw(st.lists(st.integers(0, n), max_size=4))
+    names = [f"b{i}" for i in range(len(positions))]
+    config = AllocatorConfig.parse(conf)
+    cc = replay_columns(columns_from_trace(trace), config, flush_at=positions, flush_names=names, engine=COMPILED)
+    out, last = [], 0
+    for pos, name in sorted(zip(positions, names)):
+        out.extend(trace.events[last:pos])
+        out.append(Event(FLUSH, time_us=trace.events[pos - 1].time_us if pos > 0 else 0, name=f"after-{name}"))
+        last = pos
+    out.extend(trace.events[last:])
+    py = replay(Trace(events=out), config, record_series=False)
+    assert_same(py, cc)
+
+
+@needs_gxx
+def test_engine_choice_names_its_reason():
+    cols = columns_from_trace(Trace(events=[Event(ALLOC, 1, 10)]))
+    default = AllocatorConfig()
+    assert engine_for(cols, default, FREE_RUNNING) == (COMPILED, "free-running, no private pools")
+    assert engine_for(cols, default, ANCHORED)[0] == COMPILED
+    assert "series" in engine_for(cols, default, FREE_RUNNING, record_series=True)[1]
+    assert engine_for(cols, AllocatorConfig.parse("expandable_segments:True"), FREE_RUNNING)[0] == COMPILED
+    pooled = columns_from_trace(Trace(events=[Event("pool_enter", 0, 1), Event(ALLOC, 1, 10)]))
+    assert "private pools" in engine_for(pooled, default, FREE_RUNNING)[1]
+    with pytest.raises(ValueError, match="cannot replay this: the per-event series"):
+        engine_for(cols, default, ANCHORED, record_series=True, requested=COMPILED)
+
+
+REAL = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev2", "slime_init_b",
+        "llminf_1p3b_a", "wedson_medium_128_inference", "wedson_medium_256_training")
+
+
+@needs_gxx
+@pytest.mark.parametrize("mode", [ANCHORED, FREE_RUNNING])
+@pytest.mark.parametrize("name", REAL)
+def test_real_snapshots_same_results_from_both_engines(name, mode):
+    path = shared_snapshot(name)
+    snap = load_snapshot(path)
+    trace = trace_from_snapshot(snap, source=str(path))
+    cols = columns_from_snapshot(snap, source=str(path))
+    # The columnar loader reads the same events and initial state as trace_from_snapshot.
+    assert [tuple(e) for e in cols.to_trace().events] == [tuple(e) for e in trace.events]
+    assert cols.initial_segments == trace.initial_segments
+    assert recorded_summary_columns(cols) == recorded_summary(trace)
+    config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+    engine, why = engine_for(cols, config, mode)
+    if engine != COMPILED:
+        pytest.skip(f"{name}: the compiled engine does not replay it ({why})")
+    py = replay(trace, config, mode, record_series=False)
+    cc = replay_columns(cols, config, mode)
+    assert_same(py, cc)
+    assert cc.total.events > 0
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "replay", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+
+
+@needs_gxx
+def test_cli_replays_an_rlhftrace_file_with_either_engine(tmp_path):
+    """``rlhfmem replay`` reads an .rlhftrace file as columns; both engines print the same figures."""
+    from pytest_rlhfmem.memory.trace_io import save_trace
+
+    ops_list = [("alloc", 3 * MiB + k, k, 0) for k in range(40)] + [("free", 0, k, 0) for k in range(30)]
+    ops_list += [("phase", 0, 1, 0), ("flush", 0, 0, 0)] + [("alloc", 700_000, k, 1) for k in range(50)]
+    path = save_trace(tmp_path / "t.rlhftrace", build_trace(ops_list, False))
+    docs = {}
+    for engine in (COMPILED, PYTHON):
+        p = _cli(str(path), "--free-running", "--json", "--engine", engine)
+        assert p.returncode == 0, p.stderr
+        docs[engine] = json.loads(p.stdout)
+        assert docs[engine]["engine"] == engine
+    assert docs[COMPILED]["simulated"] == docs[PYTHON]["simulated"]
+    assert docs[COMPILED]["simulated"]["cuda_malloc_count"] > 0
+
+
+def test_without_a_compiler_the_python_engine_replays_after_one_notice(tmp_path):
+    path = shared_snapshot("eor_nn")
+    p = _cli(str(path), "--free-running", "--json",
+             env={"CXX": str(tmp_path / "no-such-g++"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert p.returncode == 0, p.stderr
+    notes = [line for line in p.stderr.splitlines() if line]
+    assert len(notes) == 1 and "compiled replay engine unavailable" in notes[0] and "no-such-g++" in notes[0]
+    doc = json.loads(p.stdout)
+    assert doc["engine"] == PYTHON and "compiled core unavailable" in doc["engine_reason"]

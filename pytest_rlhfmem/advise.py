@@ -168,19 +168,6 @@ def policy_boundaries(policy: str, names: list[str]) -> list[str] | None:
     return {"none": [], "after-inference": inf, "after-training": tr, "after-both": inf + tr}[policy]
 
 
-def with_flushes(events: list[Event], positions: list[int], names: list[str]) -> list[Event]:
-    """``events`` with a FLUSH inserted before each index of ``positions`` (named ``after-<name>``)."""
-    out: list[Event] = []
-    last = 0
-    for pos, name in sorted(zip(positions, names)):
-        out.extend(events[last:pos])
-        t = events[pos - 1].time_us if pos > 0 else 0
-        out.append(Event(FLUSH, time_us=t, name=f"after-{name}"))
-        last = pos
-    out.extend(events[last:])
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------
 # Replaying candidates (both cores: one process per core, traces shared by fork)
 # ---------------------------------------------------------------------------------------------------

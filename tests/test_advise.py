@@ -10,9 +10,10 @@ import pytest
 
 from helpers import shared_snapshot
 from pytest_rlhfmem.advise import (
-    SCHEMA, AdviseInputError, advise, find_boundaries, policy_boundaries, program_events, with_flushes,
+    SCHEMA, AdviseInputError, advise, find_boundaries, policy_boundaries, program_events,
 )
 from pytest_rlhfmem.memory.allocator import MiB
+from pytest_rlhfmem.memory.replay import with_flushes
 from pytest_rlhfmem.memory.trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, FLUSH, FREE, PHASE, PHASE_END, Event, SegmentState, Trace,
 )

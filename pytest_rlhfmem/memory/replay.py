@@ -167,7 +167,7 @@ def replay_columns(cols: TraceColumns, config: AllocatorConfig | None = None, mo
                    flush_names: list[str] | tuple[str, ...] = (), trace: Trace | None = None) -> ReplayResult:
     """:func:`replay` of a trace given as columns (``replay_engine.TraceColumns``), by the engine
     :func:`~.replay_engine.engine_for` picks. ``flush_at``/``flush_names``: FLUSH events inserted before
-    those event indices (``advise.with_flushes``). ``trace``: the same trace as Events, if the caller has
+    those event indices (:func:`with_flushes`). ``trace``: the same trace as Events, if the caller has
     it (saves rebuilding it for the Python engine). Raises as :func:`replay` does."""
     from .replay_engine import engine_for, infer_capacity_columns, run_compiled
 
@@ -192,9 +192,9 @@ def replay_columns(cols: TraceColumns, config: AllocatorConfig | None = None, mo
     return result
 
 
-def _with_flush_events(trace: Trace, positions, names) -> Trace:
-    """``trace`` with a FLUSH inserted before each index of ``positions`` (``advise.with_flushes``)."""
-    events = trace.events
+def with_flushes(events: list[Event], positions: list[int], names: list[str]) -> list[Event]:
+    """``events`` with a FLUSH inserted before each index of ``positions`` (named ``after-<name>``): the
+    Python engine's form of the compiled core's ``flush_at`` (the advisor's candidate flush placements)."""
     out: list[Event] = []
     last = 0
     for pos, name in sorted(zip(positions, names)):
@@ -203,6 +203,12 @@ def _with_flush_events(trace: Trace, positions, names) -> Trace:
         out.append(Event(FLUSH, time_us=t, name=f"after-{name}"))
         last = pos
     out.extend(events[last:])
+    return out
+
+
+def _with_flush_events(trace: Trace, positions, names) -> Trace:
+    """``trace`` with a FLUSH inserted before each index of ``positions`` (:func:`with_flushes`)."""
+    out = with_flushes(trace.events, positions, names)
     return Trace(events=out, initial_segments=trace.initial_segments, final_segments=trace.final_segments,
                  allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
                  device=trace.device)

@@ -314,7 +314,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     ``engine`` "compiled").
 
     ``flush_at``: sorted event indices before which a FLUSH named ``flush_names[k]`` is inserted (the
-    advisor's candidates, as ``advise.with_flushes``), without copying the columns in Python. Raises
+    advisor's candidates, as ``replay.with_flushes``), without copying the columns in Python. Raises
     :class:`~.replay.ReplayError` for a segment that existed before the trace whose blocks do not fit it,
     ``ValueError`` for a double free. ``capacity`` is bytes (``None``: unlimited).
     """

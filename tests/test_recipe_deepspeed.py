@@ -8,21 +8,18 @@ import pytest
 from pytest_rlhfmem.rlhf.launch import run_scenario
 from pytest_rlhfmem.rlhf.scenario import FLUSH_POLICIES, PHASES, Scenario
 
-_cache: dict = {}
+@pytest.fixture
+def run(iteration_result):
+    """``run(strategy, flush="none", **overrides)``: one real iteration per scenario and session, shared with
+    every test that asks for it (the root conftest's ``iteration_result``): when the CPU suite ran first in
+    this session (``tox -e py`` lists it first), its iterations of the same scenarios are reused."""
+    def get(strategy: str, flush: str = "none", **overrides):
+        return iteration_result(Scenario("deepspeed-chat", "tiny-opt", strategy, flush, 2, overrides))
+
+    return get
 
 
-def run(strategy: str, flush: str = "none", **overrides) -> dict:
-    """One real iteration per (strategy, flush, overrides), shared by the tests of this module."""
-    key = (strategy, flush, tuple(sorted(overrides.items())))
-    if key not in _cache:
-        result = run_scenario(Scenario("deepspeed-chat", "tiny-opt", strategy, flush, 2, overrides), device="cpu",
-                              timeout=600)
-        assert result["status"] == "ok", result["failure"]
-        _cache[key] = result
-    return _cache[key]
-
-
-def test_every_phase_is_measured_with_finite_losses():
+def test_every_phase_is_measured_with_finite_losses(run):
     r = run("zero2")
     assert list(r["phases"]) == list(PHASES)
     assert r["simulated"] and r["capture"] == "cpu-trace-simulated"
@@ -36,7 +33,7 @@ def test_every_phase_is_measured_with_finite_losses():
 
 
 @pytest.mark.parametrize("strategy", ["none", "zero2"])
-def test_stages_0_to_2_are_deterministic(strategy):
+def test_stages_0_to_2_are_deterministic(strategy, run):
     first = run(strategy)
     again = run_scenario(Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2), device="cpu", timeout=600)
     for m in ("peak_reserved", "cuda_malloc_count", "alloc_retries"):
@@ -48,17 +45,17 @@ def test_stages_0_to_2_are_deterministic(strategy):
         assert abs(again["metrics"][m] - first["metrics"][m]) <= 512, m
 
 
-def test_zero3_lowers_peak_allocated_below_none():
+def test_zero3_lowers_peak_allocated_below_none(run):
     assert run("zero3")["metrics"]["peak_allocated"] < run("none")["metrics"]["peak_allocated"]
 
 
-def test_offload_is_applied_so_zero3_offload_reserves_less_than_zero3():
+def test_offload_is_applied_so_zero3_offload_reserves_less_than_zero3(run):
     offload, plain = run("zero3-offload"), run("zero3")
     assert all(r["host_bytes_annotated"] > 0 for r in offload["ranks"])
     assert offload["metrics"]["peak_reserved"] < plain["metrics"]["peak_reserved"]
 
 
-def test_flush_frees_no_tensor_and_frees_segments_only_at_the_policy_points():
+def test_flush_frees_no_tensor_and_frees_segments_only_at_the_policy_points(run):
     results = {f: run("zero2", f) for f in FLUSH_POLICIES}
     expected = {
         "none": [],
@@ -80,7 +77,7 @@ def test_flush_frees_no_tensor_and_frees_segments_only_at_the_policy_points():
     assert sum(f["segments_released"] for f in results["after-both"]["ranks"][0]["flushes"]) > 0
 
 
-def test_the_precision_is_the_gpus_fp16_on_cpu_too():
+def test_the_precision_is_the_gpus_fp16_on_cpu_too(run):
     r = run("zero2")
     assert {rank["recipe"]["dtype"] for rank in r["ranks"]} == {"float16"}
 

@@ -101,6 +101,11 @@ def _settle_comm(device: str) -> None:
         dist.barrier()
 
 
+# TorchDDPPlugin (the one plugin that runs on CPU) does no mixed precision: on CPU the recipe keeps fp32, for
+# PPO and the critic-free methods alike, so that their figures compare (the GPU's fp16 is left to CUDA runs).
+CPU_DTYPE = "fp32"
+
+
 def _tensors(*modules: torch.nn.Module) -> list[torch.Tensor]:
     return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
@@ -167,7 +172,7 @@ def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, wor
     pair = get_pair(scenario.models)
     kind, grad_ckpt = STRATEGY_PLUGINS[scenario.strategy]
     gemini = kind.startswith("gemini")
-    dtype = resolve_dtype(scenario, device, cpu_default="fp32")  # TorchDDP on CPU: fp32 (the GPU precision is left)
+    dtype = resolve_dtype(scenario, device, cpu_default=CPU_DTYPE)
     batch = scenario.get("batch_size", 2)
     prompt_len = scenario.get("prompt_len", pair.prompt_len)
     answer_len = scenario.get("answer_len", pair.answer_len)

@@ -16,7 +16,7 @@ import torch
 
 from ..memory.capture import Recorder
 from . import critic_free, ppo
-from .colossalchat import STRATEGY_PLUGINS, _tensors, boost_models
+from .colossalchat import CPU_DTYPE, STRATEGY_PLUGINS, _tensors, boost_models
 from .common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
 from .models import get_pair
 from .scenario import DEFAULT_GROUP_SIZE, Scenario
@@ -28,7 +28,7 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
     pair = get_pair(scenario.models)
     kind, grad_ckpt = STRATEGY_PLUGINS[scenario.strategy]
     gemini = kind.startswith("gemini")
-    dtype = resolve_dtype(scenario, device)
+    dtype = resolve_dtype(scenario, device, cpu_default=CPU_DTYPE)  # as PPO's (colossalchat.py)
     grpo = scenario.algorithm == "grpo"
     group = scenario.get("group_size", DEFAULT_GROUP_SIZE) if grpo else 1
     prompts_n = scenario.get("batch_size", 2)

@@ -33,7 +33,8 @@ cost); stop at K boundaries or when no addition lowers the peak. At most K x B r
 (flushes interact: one flush changes what the next can release).
 
 Cost of a candidate, relative to no flush under the default settings (allocator terms, max over ranks):
-extra cudaMalloc calls, extra cudaFree calls, bytes re-acquired (the extra bytes cudaMalloc'd). A time is
+extra cudaMalloc calls, extra cudaFree calls, bytes re-acquired (the extra bytes obtained from the driver:
+cudaMalloc'd, or mapped with expandable segments; negative = fewer than without the change). A time is
 given only where the result carries measured CUDA flush durations (``flush_cost.measured_flush_s``); it is
 then an ESTIMATE (extra cudaFree x the measured mean per released segment; cudaMalloc time is not
 measured and is left out, so the estimate is a lower bound). CPU runs give no time: a cudaMalloc's
@@ -231,7 +232,9 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
     t = res.total
     return {"rank": ri.rank, "peak_reserved": t.peak_reserved, "fragmentation_at_peak": t.fragmentation_at_peak,
             "peak_phase": res.peak_phase, "cuda_malloc": t.cuda_malloc_count, "cuda_free": t.cuda_free_count,
-            "bytes_acquired": sum(s for _, s in res.segment_allocs), "alloc_retries": t.alloc_retries,
+            # bytes obtained from the driver: cudaMalloc'd segments plus, with expandable segments, mapped pages
+            "bytes_acquired": sum(s for _, s in res.segment_allocs) + sum(s for _, s in res.segment_maps),
+            "alloc_retries": t.alloc_retries,
             "ooms": t.ooms, "peak_allocated": t.peak_allocated,
             "flushes": len(res.flushes), "engine": res.engine}
 

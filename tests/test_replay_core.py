@@ -197,6 +197,7 @@ def test_engine_choice_names_its_reason():
         engine_for(cols, default, ANCHORED, record_series=True, requested=COMPILED)
 
 
+PRIVATE_POOLS = ("slime_init_b",)  # a torch.cuda.MemPool from an RL framework's model init
 REAL = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev2", "slime_init_b",
         "llminf_1p3b_a", "wedson_medium_128_inference", "wedson_medium_256_training")
 
@@ -215,8 +216,11 @@ def test_real_snapshots_same_results_from_both_engines(name, mode):
     assert recorded_summary_columns(cols) == recorded_summary(trace)
     config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
     engine, why = engine_for(cols, config, mode)
-    if engine != COMPILED:
-        pytest.skip(f"{name}: the compiled engine does not replay it ({why})")
+    if name in PRIVATE_POOLS:  # not covered by the core: auto takes the Python model and says why
+        assert engine == PYTHON and "pool" in why, (engine, why)
+        assert replay_columns(cols, config, mode).engine == PYTHON
+        return
+    assert engine == COMPILED, why
     py = replay(trace, config, mode, record_series=False)
     cc = replay_columns(cols, config, mode)
     assert_same(py, cc)

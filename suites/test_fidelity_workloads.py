@@ -5,8 +5,8 @@ Transformer LM of Wedsonlin/assignment2-systems, see ``pytest_rlhfmem/fidelity/w
 under the recorder with the CUDA emulation on, replays it through the allocator model, and asserts the
 recorded step's figures equal the GPU's: peak reserved, peak allocated and cudaMalloc count to the byte
 (the inference step: the very same sequence of allocation sizes), or differ by exactly the residual
-explained in docs/fidelity.md. Cost on this 2-core machine: about 4 min (inference) and 30 min (training,
-16 GiB of host memory) under load; see docs/fidelity.md.
+explained in docs/fidelity.md. Cost on this 2-core machine: about 4 min (inference) under load; training
+2 min 26 s alone (about 30 min when seven jobs shared the cores) and 16 GiB of host memory.
 """
 
 import pytest

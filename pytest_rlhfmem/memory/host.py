@@ -17,9 +17,10 @@ Figures, all in bytes, per rank:
 - ``host_rss_growth``: ``host_peak_rss`` minus the RSS when measuring began (``host_rss_at_start``: the
   interpreter, torch and the framework, imported before the first model is built). This is the part the
   iteration itself adds (model states, optimizer states, offload buffers, activations held in host memory)
-  and the host figure budgets gate: the import footprint is the environment's, not the recipe's. Measured
-  here: the same ColossalChat scenario (tiny OPT x2) peaked at 639-647 MiB in this machine's environment and
-  at 831-848 MiB in CI's fresh one, while its growth here was 98-106 MiB (start 541 MiB).
+  and the host figure budgets gate: the RSS after imports is the environment's, not the recipe's. Measured
+  here: the same ColossalChat scenario (tiny OPT x2) peaked at 639-647 MiB in an older environment and at
+  831-848 MiB in fresh ones with identical packages (the resident pages of the mapped shared libraries
+  differ: libtorch_cpu.so 103.5 vs 52.3 MiB after the same imports), with growths of 98-109 and 112-131 MiB.
 - ``host_pinned_peak``: on CUDA, the most page-locked memory held by PyTorch's caching host allocator
   (``torch.cuda.host_memory_stats()['allocated_bytes.peak']``, peak reset per phase with
   ``torch.cuda.reset_peak_host_memory_stats``; DeepSpeed pins its offload buffers through it). On CPU

@@ -57,6 +57,7 @@ def test_plain_script_without_rlhfmem_is_one_window_and_its_empty_cache_a_flush(
                                "command": [sys.executable, str(COMMANDS / "plain_train.py")]}
     assert list(res["phases"]) == ["run"]
     assert res["phases"]["run"]["peak_reserved"] == res["metrics"]["peak_reserved"] > 1 << 20  # weights: 2 MiB
+    assert res["phases"]["run"]["host_peak_rss"] == res["metrics"]["host_peak_rss"] > 0  # the one window is the run
     rank = res["ranks"][0]
     assert rank["capture_backend"].startswith("rlhfmem CPU allocator recorder")
     assert [f["name"] for f in rank["flushes"]] == ["empty_cache@plain_train.py:16"]
@@ -107,6 +108,11 @@ def test_hugging_face_trainer_runs_unchanged_under_capture(tmp_path):
     ([sys.executable, "-c", "import sys; print('bad flag', file=sys.stderr); sys.exit(3)"],
      "exited with code 3 before its first allocation (torch was never imported): bad flag"),
     ([sys.executable, "-c", "pass"], "finished without importing torch: nothing to measure"),
+    ([sys.executable, "-c", "import sys, torch; print('no GPU config', file=sys.stderr); sys.exit(4)"],
+     "exited with code 4 before its first allocation: no GPU config"),
+    ([sys.executable, "-c", "import torch; raise ValueError('bad config')"],
+     "exited with code 1 before its first allocation: ValueError: bad config"),
+    ([sys.executable, "-c", "import torch"], "imported torch but allocated no tensor memory: nothing to measure"),
     (["--world-size", "2", "--nproc-per-node", "2", "--", sys.executable, "x.py"], "not allowed with argument"),
     ([], "rlhfmem: error: no command given"),
 ])
@@ -212,3 +218,14 @@ def test_nested_phase_resumes_the_enclosing_one(tmp_path):
     assert [(p["phase"], p["windows"]) for p in rows] == [("run", 2), ("train", 2), ("backward", 1)]
     backward = rows[2]
     assert backward["peak_allocated"] >= 2 * 512 * 512 * 4  # weight + its gradient, fp32 bytes
+
+
+def test_a_non_zero_exit_status_without_an_exception_is_a_failure_naming_rank_and_phase(tmp_path):
+    out = tmp_path / "exit.json"
+    r = capture("--id", "exit-5", "--device", "cpu", "--json", str(out), "--", sys.executable, "-c",
+                "import sys, torch, pytest_rlhfmem as rlhfmem\nx = torch.ones(1 << 20)\n"
+                "with rlhfmem.phase('train'):\n    sys.exit(5)")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rank 0 failed in phase 'train': ExitStatus: exited with code 5 with no uncaught exception" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["status"] == "failed" and res["failure"]["memory_so_far"]["peak_allocated"] >= 4 << 20

@@ -153,3 +153,26 @@ def test_offloaded_bytes_count_while_the_buffers_live():
     h.end_phase("after")
     h.stop()
     assert h.phases["train"]["host_pinned_peak"] == 2 * 2**20 and h.phases["after"]["host_pinned_peak"] == 0
+
+
+def test_host_windows_are_the_device_trace_windows_root_nested_and_repeated():
+    """rlhfmem capture's windows: time outside every phase is the root window's, an outer phase resumes
+    after a nested one, and a repeated name keeps the largest of its windows' peaks."""
+    mib = 2**20
+    h = HostMemory("cpu", root="run")
+    h.start()
+    buf = _touch(96 * mib)  # in the root window, before any phase
+    del buf
+    h.begin_phase("step")
+    h.begin_phase("inner")
+    h.end_phase("inner")
+    buf = _touch(64 * mib)  # "step" resumed after "inner"
+    h.end_phase("step")
+    del buf
+    h.begin_phase("step")  # a later, smaller window of "step" does not overwrite its peak
+    h.end_phase("step")
+    h.stop()
+    run, step, inner = (h.phases[n]["host_peak_rss"] for n in ("run", "step", "inner"))
+    assert run - inner >= 64 * mib  # the root window kept its 96 MiB peak; "inner" did not inherit it
+    assert step - inner >= 40 * mib  # the resumed "step" window's 64 MiB, not overwritten by a smaller window
+    assert h.peak_rss == max(run, step, inner)

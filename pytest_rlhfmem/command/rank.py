@@ -69,7 +69,7 @@ class RankCapture:
 
         self.rec = Recorder(self.device if self.capture else "off", on_phase=self.progress, root=self.root,
                             cuda_emulation=parse_switch(self.cuda_emulation))
-        self.rec.host = HostMemory(self.device)  # measured host figures, per phase (memory/host.py)
+        self.rec.host = HostMemory(self.device, root=self.root)  # measured host figures per window (memory/host.py)
         self._t0 = time.perf_counter()
         self.rec.host.start()
         self.rec.start()
@@ -94,6 +94,7 @@ class RankCapture:
         wall = time.perf_counter() - self._t0
         api._activate(None)
         rec = self.rec
+        exit_phase = rec.current_phase
         rec.host.stop()
         trace = rec.stop()
         if self.threads is None:
@@ -103,6 +104,7 @@ class RankCapture:
         result = rank_result(self.identity, self.rank, self.world_size, self.device, rec, trace, info, error,
                              self.threads, wall)
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
+        result["exit_phase"] = exit_phase  # where the program was when it ended (an exit status names it)
         attach_host(result, rec.host)
         if self.capture:  # the program's own trace, for `rlhfmem advise` and the flush cost
             from ..advise import flush_cost

@@ -130,8 +130,9 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 
     A crash, OOM or hang of any rank is a result with ``status`` ``failed`` and its rank, phase and
     memory so far (never an exception). ``env`` adds to this process's environment. Raises
-    :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, or a
-    command that ended before any rank imported torch (nothing was measured).
+    :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
+    command that ended before any rank imported torch, or one whose ranks allocated no device memory
+    (with a non-zero exit status: "exited with code N before its first allocation"; nothing was measured).
     """
     if not id or not isinstance(id, str):
         raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
@@ -173,6 +174,13 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
         raise CommandError(f"{shlex.join(argv)} finished without importing torch: nothing to measure")
     ident = R.CommandIdentity(id, tuple(argv), n)
     result = aggregate(ident, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+    if not timed_out and len(result["ranks"]) == n and not any(r["events"] for r in result["ranks"]):
+        # torch was imported, but no rank allocated a byte of device memory (simulated or real)
+        tail = _last_line(log_path)
+        if returncode != 0:
+            raise CommandError(f"{shlex.join(argv)} exited with code {returncode} before its first allocation"
+                               f"{': ' + tail if tail else ''}")
+        raise CommandError(f"{shlex.join(argv)} imported torch but allocated no tensor memory: nothing to measure")
     result["command"] = argv
     result["log"] = str(log_path)
     return result

@@ -116,9 +116,15 @@ class _Sampler(threading.Thread):
 class HostMemory:
     """One rank's host meter. The recorder calls :meth:`begin_phase` / :meth:`end_phase` at its phase
     boundaries and :meth:`note_offloaded` for every host-resident declaration; :meth:`to_dict` gives the
-    figures (bytes)."""
+    figures (bytes).
+
+    Windows are those of the device trace: the time between two boundaries belongs to the innermost open
+    phase, else to ``root`` (``rlhfmem capture``'s ``run`` window; ``None``: to the iteration only). A name
+    seen in several windows (a phase per step, an outer phase resumed after a nested one) keeps the
+    maximum of its windows' peaks."""
 
     device: str  # "cpu" | "cuda"
+    root: str | None = None
     rss_method: str = ""
     pinned_method: str = ""
     peak_rss: int = 0
@@ -127,7 +133,7 @@ class HostMemory:
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     _sampler: _Sampler | None = None
     _offloaded: dict[int, tuple[int, weakref.ref]] = field(default_factory=dict)  # storage ptr -> (bytes, ref)
-    _phase: str | None = None
+    _open: list[str] = field(default_factory=list)  # open phases, innermost last
     _phase_pinned: int = 0
     _cuda_stats: bool = False  # torch.cuda.host_memory_stats available and used
 
@@ -145,28 +151,36 @@ class HostMemory:
         self._reset_pinned_peak()
 
     def stop(self) -> None:
-        """Fold the time after the last phase into the iteration peak and stop the sampler."""
-        self.peak_rss = max(self.peak_rss, self._read_rss_peak())
-        self.pinned_peak = max(self.pinned_peak, self._read_pinned_peak())
+        """Close the last window (the root window's, or the iteration's only) and stop the sampler."""
+        self._boundary()
         if self._sampler is not None:
             self._sampler.stop()
 
     # -- phase boundaries -------------------------------------------------------------------------
     def begin_phase(self, name: str) -> None:
-        self.peak_rss = max(self.peak_rss, self._read_rss_peak())  # what happened since the last reset
-        self.pinned_peak = max(self.pinned_peak, self._read_pinned_peak())
-        self._reset_rss_peak()
-        self._reset_pinned_peak()
-        self._phase = name
-        self._phase_pinned = 0 if self._cuda_stats else self._offloaded_live()
+        self._boundary()
+        self._open.append(name)
 
     def end_phase(self, name: str) -> None:
+        self._boundary()
+        if self._open and self._open[-1] == name:
+            self._open.pop()
+
+    def _boundary(self) -> None:
+        """Fold the peaks since the last boundary into the window that just ended (and the iteration's),
+        then reset them for the next window."""
         rss, pinned = self._read_rss_peak(), self._read_pinned_peak()
-        self.phases[name] = {"host_peak_rss": rss, "host_rss_growth": max(0, rss - self.rss_at_start),
-                             "host_pinned_peak": pinned, "host_rss_at_end": current_rss()}
         self.peak_rss = max(self.peak_rss, rss)
         self.pinned_peak = max(self.pinned_peak, pinned)
-        self._phase = None
+        window = self._open[-1] if self._open else self.root
+        if window is not None:
+            prev = self.phases.get(window, {})
+            peak = max(rss, prev.get("host_peak_rss", 0))
+            self.phases[window] = {"host_peak_rss": peak, "host_rss_growth": max(0, peak - self.rss_at_start),
+                                   "host_pinned_peak": max(pinned, prev.get("host_pinned_peak", 0)),
+                                   "host_rss_at_end": current_rss()}
+        self._reset_rss_peak()
+        self._reset_pinned_peak()
 
     def note_offloaded(self, tensors: Iterable) -> None:
         """CPU: remember these host-resident buffers (weakly) so their live bytes can be read."""

@@ -35,12 +35,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 def phase_table(result: dict) -> list[str]:
     """Per phase: the device figures (peak reserved, peak allocated, fragmentation, cudaMalloc), the host
     figures (peak RSS, pinned; measured) and time, max over ranks."""
-    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "| host peak RSS (growth)",
+    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "|", "host peak RSS (growth)",
              "host pinned", "time")]
     for name, p in result["phases"].items():
         rows.append((name, format_size(p["peak_reserved"]), format_size(p["peak_allocated"]),
                      format_size(p["fragmentation_at_peak"]) if p["fragmentation_at_peak"] else "-",
-                     str(p["cuda_malloc_count"]), "| " + format_rss(p),
+                     str(p["cuda_malloc_count"]), "|", format_rss(p),
                      format_size(p.get("host_pinned_peak")), f"{p['wall_s']:.2f} s"))
     m = result["metrics"]
     from ..timing import time_figure
@@ -48,7 +48,7 @@ def phase_table(result: dict) -> list[str]:
     tf = time_figure(result)
     rows.append(("iteration", format_size(m["peak_reserved"]), format_size(m["peak_allocated"]),
                  format_size(m["fragmentation_at_peak"]), str(m["cuda_malloc_count"]),
-                 "| " + format_rss(m), format_size(m.get("host_pinned_peak")),
+                 "|", format_rss(m), format_size(m.get("host_pinned_peak")),
                  tf.text() if tf else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -169,6 +170,22 @@ def _kill_leftover_workers(work: Path) -> None:
             pass
 
 
+def _exit_status_failure(ranks: list[dict], returncode: int | None, log_path: Path) -> dict:
+    """Every rank wrote its result without an exception, yet the command's exit status is non-zero
+    (``sys.exit(3)``, an exit code set by a library): name the rank torchrun reports as the root cause
+    (its ``rank : R (local_rank: L)`` line), else the only rank, with its phase at exit and its peaks."""
+    rank = ranks[0]["rank"] if len(ranks) == 1 else None
+    if rank is None and log_path.exists():
+        m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", log_path.read_text(errors="replace"), re.S)
+        rank = int(m.group(1)) if m else None
+    res = next((r for r in ranks if r["rank"] == rank), ranks[0])
+    return {"rank": rank, "phase": res.get("exit_phase"), "error": "ExitStatus",
+            "message": f"exited with code {returncode} with no uncaught exception (sys.exit or an exit status "
+                       f"set by the program)",
+            "memory_so_far": {k: res["total"][k] for k in ("peak_reserved", "peak_allocated")},
+            "simulated": res["simulated"]}
+
+
 def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | None, timed_out: bool,
               timeout: float, wall_s: float, log_path: Path) -> dict:
     """The scenario result: per metric the maximum over ranks (the budget is per GPU), per phase too,
@@ -192,6 +209,8 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
             failures.append({"rank": r, "phase": prog.get("phase", "startup"),
                              "error": "Hang" if timed_out else "Crash", "message": why,
                              "memory_so_far": {"host_rss": prog.get("host_rss")}})
+    if ranks and not failures and (returncode != 0 or timed_out) and len(ranks) == scenario.world_size:
+        failures.append(_exit_status_failure(ranks, returncode, log_path))
     # The root cause first: the earliest exception; ranks that died without a result (killed by torchrun
     # after another rank failed, or hung) last. A peer's "connection reset" comes after the cause.
     failures.sort(key=lambda f: (f.get("time") is None, f.get("time") or 0.0, f["rank"]))

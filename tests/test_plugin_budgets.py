@@ -71,6 +71,9 @@ MALFORMED = {
     "unknown_key": ("entries:\n  {id}:\n    metrix:\n      peak_reserved: 1 GiB\n",
                     "entry '{id}': unknown key 'metrix'; allowed: capture, device"),
     "bad_yaml": ("entries: [unclosed\n", "line 2: not valid YAML"),
+    "rss_budget": ("entries:\n  {id}:\n    metrics:\n      host_peak_rss: 600 MiB\n",
+                   "entry '{id}'.metrics: host_peak_rss is reported, not budgeted: the gated host figure is "
+                   "host_rss_growth"),
 }
 
 

@@ -431,45 +431,11 @@ class RecordedSummary:
 
 
 def recorded_summary(trace: Trace) -> RecordedSummary:
-    """Read the recorded cudaMalloc/cudaFree decisions and reserved figures off ``trace``."""
-    reserved = sum(s.total_size for s in trace.initial_segments)
-    initial = peak = reserved
-    allocs: list[tuple[int, int]] = []
-    maps: list[tuple[int, int]] = []
-    unmaps: list[tuple[int, int]] = []
-    batches: list[list[tuple[int, int]]] = []
-    last_free = False
-    ooms = 0
-    for e in trace.events:
-        if e.action == SEGMENT_MAP:
-            maps.append((e.addr, e.size))
-            reserved += e.size
-            peak = max(peak, reserved)
-        elif e.action == SEGMENT_UNMAP:
-            unmaps.append((e.addr, e.size))
-            reserved -= e.size
-        elif e.action == OOM:
-            ooms += 1
-        elif e.action == SEGMENT_ALLOC:
-            allocs.append((e.addr, e.size))
-            reserved += e.size
-            peak = max(peak, reserved)
-            last_free = False
-        elif e.action == SEGMENT_FREE:
-            if not last_free:
-                batches.append([])
-                last_free = True
-            batches[-1].append((e.addr, e.size))
-            reserved -= e.size
-        elif e.action in (ALLOC, FREE, FLUSH):
-            last_free = False
-    fs = trace.final_segments
-    return RecordedSummary(
-        segment_allocs=allocs, segment_free_batches=batches, peak_reserved=peak,
-        final_reserved=sum(s["total_size"] for s in fs) if fs is not None else None,
-        final_allocated=sum(s["allocated_size"] for s in fs) if fs is not None else None,
-        initial_reserved=initial, segment_maps=maps, segment_unmaps=unmaps, ooms=ooms,
-    )
+    """Read the recorded cudaMalloc/cudaFree decisions and reserved figures off ``trace``: one
+    implementation, over columns (``replay_engine.recorded_summary_columns``, what ``rlhfmem replay`` uses)."""
+    from .replay_engine import columns_from_trace, recorded_summary_columns
+
+    return recorded_summary_columns(columns_from_trace(trace))
 
 
 def agreement(recorded: RecordedSummary, sim: ReplayResult, has_segment_events: bool) -> dict:

@@ -5,7 +5,8 @@
 For each command (CPU, this machine): wall time of the bare command (``subprocess.run``), wall time of
 ``run_command`` (the same command with every rank recorded, traces replayed through the allocator model,
 ranks gathered; the recorder library already built), and the ranks' own time from torch's import to their
-exit, captured. Best of ``--runs``; the commands run alternately so machine load hits both alike.
+exit, captured. Best of ``--runs`` (and the medians, with each side's range); the commands run
+alternately so machine load hits both alike.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -56,14 +58,23 @@ def main() -> int:
             events = sum(r["events"] for r in res["ranks"])
         row = {"bare_s": round(min(bare), 2), "captured_s": round(min(cap), 2),
                "overhead_pct": round(100 * (min(cap) / min(bare) - 1), 1), "ranks_captured_s": round(min(ranks), 2),
-               "trace_events": events}
+               "trace_events": events, "bare_runs_s": [round(x, 2) for x in bare],
+               "captured_runs_s": [round(x, 2) for x in cap],
+               "overhead_median_pct": round(100 * (statistics.median(cap) / statistics.median(bare) - 1), 1)}
         rows[name] = row
         print(f"{name:50s} {row['bare_s']:>6.2f} s {row['captured_s']:>7.2f} s {row['overhead_pct']:>+8.1f}% "
               f"{row['ranks_captured_s']:>14.2f} s {events:>13d}", flush=True)
+        print(f"{'':50s} medians {statistics.median(bare):.2f} s / {statistics.median(cap):.2f} s "
+              f"({row['overhead_median_pct']:+.1f}%); bare runs {_spread(bare)}, captured runs {_spread(cap)}",
+              flush=True)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f} s"
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ def test_fixture_update_then_pass_then_lowered_budget_fails_with_the_table(pytes
                             "*peak_reserved*1.00 MiB*OVER BUDGET*"])
 
 
-def test_fixture_names_crash_hang_and_a_command_that_cannot_run(pytester):
+def test_fixture_names_crash_oom_hang_and_a_command_that_cannot_run(pytester):
     pytester.makepyfile(test_fail=f"""
 import sys
 
@@ -191,6 +191,9 @@ def test_crash(rlhfmem_command):
 def test_hang(rlhfmem_command):
     rlhfmem_command([sys.executable, {str(COMMANDS / 'hang.py')!r}], id="hangs", device="cpu", timeout=40)
 
+def test_oom(rlhfmem_command):
+    rlhfmem_command([sys.executable, {str(COMMANDS / 'oom.py')!r}], id="ooms", device="cpu")
+
 def test_not_found(rlhfmem_command):
     rlhfmem_command(["no-such-trainer", "--fast"], id="missing")
 
@@ -198,11 +201,13 @@ def test_exits_before_torch(rlhfmem_command):
     rlhfmem_command([sys.executable, "-c", "raise SystemExit(5)"], id="early-exit")
 """)
     r = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    r.assert_outcomes(failed=4)
+    r.assert_outcomes(failed=5)
     r.stdout.fnmatch_lines([
         "*crashes: rank 0 failed in phase 'train': RuntimeError: boom in the training step*",
         "*memory so far (simulated): peak reserved *MiB, peak allocated *MiB*",
     ])
+    r.stdout.fnmatch_lines(["*ooms: rank 0 failed in phase 'generate': OOM: *DefaultCPUAllocator: can't allocate*",
+                            "*memory so far (simulated): peak reserved *MiB, peak allocated 4.00 MiB*"])
     r.stdout.fnmatch_lines(["*hangs: rank 0 failed in phase 'wait': Hang: hung: no result after the 40 s timeout*"])
     r.stdout.fnmatch_lines(["*rlhfmem_command('missing'): command not found: no-such-trainer*"])
     r.stdout.fnmatch_lines(["*rlhfmem_command('early-exit'): * -c 'raise SystemExit(5)' exited with code 5 "

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# An allocation failure's message: CUDA's (torch.OutOfMemoryError), PyTorch's CPU allocator's
+# (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory", "not enough memory").
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 ROOT_PHASE = "run"  # the window of allocations outside every phase (rlhfmem capture)
 
 
@@ -79,7 +82,7 @@ class RankCapture:
 
     def error_from(self, exc: BaseException, tb: str | None = None) -> dict:
         """A structured error: phase (innermost open one), type (``OOM`` for out-of-memory), message."""
-        is_oom = "OutOfMemoryError" in type(exc).__name__ or "out of memory" in str(exc).lower()
+        is_oom = "OutOfMemoryError" in type(exc).__name__ or any(s in str(exc).lower() for s in OOM_MESSAGES)
         return {"phase": self.rec.current_phase if self.rec else "startup", "time": time.time(),
                 "type": "OOM" if is_oom else type(exc).__name__, "message": str(exc)[:2000],
                 "traceback": (tb or traceback.format_exc())[-4000:]}

@@ -21,9 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny_ppo.py"
 
 
+def rlhfmem_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def capture(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "capture", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return rlhfmem_cli("capture", *args, timeout=timeout)
 
 
 def test_api_without_capture_loads_nothing_and_returns_the_null_context():
@@ -234,3 +238,23 @@ def test_a_non_zero_exit_status_without_an_exception_is_a_failure_naming_rank_an
     assert "rank 0 failed in phase 'train': ExitStatus: exited with code 5 with no uncaught exception" in r.stdout
     res = json.loads(out.read_text())
     assert res["status"] == "failed" and res["failure"]["memory_so_far"]["peak_allocated"] >= 4 << 20
+
+
+def test_reports_plot_diff_and_advise_work_on_a_fixture_session(pytester, tmp_path):
+    """A user's script through the fixture feeds the same outputs as a recipe: session JSON, the per-PR
+    report, memory_viz snapshots, `rlhfmem diff`, `rlhfmem plot` and `rlhfmem advise`."""
+    pytester.makepyfile(test_own=FIXTURE_TEST.format(script=str(COMMANDS / "phased_train.py")))
+    out = tmp_path / "out"
+    r = pytester.runpytest_subprocess("--rlhfmem-update-baselines", "--rlhfmem-json", str(out / "s.json"),
+                                      "--rlhfmem-report", str(out / "report.md"),
+                                      "--rlhfmem-snapshots", str(out / "snaps"))
+    r.assert_outcomes(passed=1)
+    assert "`my-trainer/phased`" in (out / "report.md").read_text()
+    assert list((out / "snaps").glob("my-trainer__phased__rank0.pickle"))
+    d = rlhfmem_cli("diff", str(out / "s.json"), str(out / "s.json"), "--fail-on-regression")
+    assert d.returncode == 0 and "0 regressed" in d.stdout, d.stdout + d.stderr
+    p = rlhfmem_cli("plot", str(out / "s.json"), "-o", str(tmp_path / "fig.png"))
+    assert p.returncode == 0 and (tmp_path / "fig.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", p.stderr
+    a = rlhfmem_cli("advise", str(out / "s.json"))
+    assert a.returncode == 0 and "my-trainer/phased" in a.stdout and "recommendation:" in a.stdout, a.stderr
+

@@ -258,3 +258,27 @@ def test_reports_plot_diff_and_advise_work_on_a_fixture_session(pytester, tmp_pa
     a = rlhfmem_cli("advise", str(out / "s.json"))
     assert a.returncode == 0 and "my-trainer/phased" in a.stdout and "recommendation:" in a.stdout, a.stderr
 
+
+
+def test_one_line_takes_a_deepspeed_engines_offloaded_state_out_of_the_device_trace(tmp_path, monkeypatch):
+    """A user's DeepSpeed ZeRO-2 + CPU offload script, captured without and with ``rlhfmem.deepspeed_offload``:
+    with the line, the fp32 master partition and Adam's two states (host memory under offload) leave the
+    device trace and show as host bytes."""
+    pytest.importorskip("deepspeed")
+    n_params = 4 * (512 * 512 + 512)  # the script's 4 Linear(512, 512) layers
+    results = {}
+    for declare in ("0", "1"):
+        monkeypatch.setenv("RLHFMEM_EXAMPLE_DECLARE", declare)
+        out = tmp_path / f"ds-{declare}.json"
+        r = capture("--id", f"ds-offload/{declare}", "--device", "cpu", "--json", str(out), "--",
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                    str(COMMANDS / "deepspeed_offload.py"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        results[declare] = json.loads(out.read_text())
+    bare, declared = results["0"], results["1"]
+    assert bare["ranks"][0]["host_bytes_annotated"] == 0 and bare["metrics"]["host_pinned_peak"] == 0
+    states = 3 * n_params * 4  # fp32 master + exp_avg + exp_avg_sq, bytes
+    assert declared["ranks"][0]["host_bytes_annotated"] >= states
+    assert declared["metrics"]["host_pinned_peak"] >= states
+    saved = bare["metrics"]["peak_allocated"] - declared["metrics"]["peak_allocated"]
+    assert saved >= 0.9 * states, (saved, states)

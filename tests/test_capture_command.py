@@ -259,7 +259,6 @@ def test_reports_plot_diff_and_advise_work_on_a_fixture_session(pytester, tmp_pa
     assert a.returncode == 0 and "my-trainer/phased" in a.stdout and "recommendation:" in a.stdout, a.stderr
 
 
-
 def test_one_line_takes_a_deepspeed_engines_offloaded_state_out_of_the_device_trace(tmp_path, monkeypatch):
     """A user's DeepSpeed ZeRO-2 + CPU offload script, captured without and with ``rlhfmem.deepspeed_offload``:
     with the line, the fp32 master partition and Adam's two states (host memory under offload) leave the

@@ -209,7 +209,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
             failures.append({"rank": r, "phase": prog.get("phase", "startup"),
                              "error": "Hang" if timed_out else "Crash", "message": why,
                              "memory_so_far": {"host_rss": prog.get("host_rss")}})
-    if ranks and not failures and (returncode != 0 or timed_out) and len(ranks) == scenario.world_size:
+    if ranks and not failures and returncode != 0 and not timed_out and len(ranks) == scenario.world_size:
         failures.append(_exit_status_failure(ranks, returncode, log_path))
     # The root cause first: the earliest exception; ranks that died without a result (killed by torchrun
     # after another rank failed, or hung) last. A peer's "connection reset" comes after the cause.

@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .memory.allocator import AllocatorConfig, AllocatorConfigError, MiB, kLargeBuffer
-from .memory.replay import FREE_RUNNING, PYTHON, _recorded_release_batches, replay, replay_columns
+from .memory.recorded import recorded_release_batches
+from .memory.replay import FREE_RUNNING, PYTHON, replay, replay_columns
 from .memory.replay_engine import TraceColumns, columns_from_trace, engine_for
 from .memory.trace import (
     ALLOC, FLUSH, FREE, PHASE, PHASE_END, SEGMENT_FREE, CAPTURE_CUDA, Event, SnapshotError, Trace,
@@ -91,7 +92,7 @@ def program_events(trace: Trace) -> tuple[list[Event], list[Event]]:
     allocator's own retry and is dropped with the other segment events (a free-running replay decides
     them again).
     """
-    batches = _recorded_release_batches(trace.events) if any(
+    batches = recorded_release_batches(trace.events) if any(
         e.action == SEGMENT_FREE for e in trace.events) else {}
     program: list[Event] = []
     recorded: list[Event] = []

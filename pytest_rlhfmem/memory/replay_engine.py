@@ -14,130 +14,44 @@ torch`` alone costs 1.5 s) into ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default ``~/
 of the source and the compiler, under a ``filelock``; it is loaded with ctypes. Without a compiler the
 Python engine replays everything, after a one-line notice on stderr.
 
-A trace reaches the core as columns (:class:`TraceColumns`): action codes as ``bytes`` and ``array('q')``
-address, size, stream and time columns, never as a million ``Event`` objects.
+A trace reaches the core as columns (:class:`~.columns.TraceColumns`): action codes as ``bytes`` and
+``array('q')`` address, size, stream and time columns, never as a million ``Event`` objects. This module sits
+beside ``python_engine.py``, above the formats (it loads ``rlhfmem replay``'s input) and the types; it
+re-exports the column and summary names its callers import from it.
 """
-
 from __future__ import annotations
 
 import ctypes
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import sys
 from array import array
-from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
 
-from .allocator import DEFAULT_POOL, AllocatorConfig, kRoundUpPowerOfTwoIntervals
-from .trace import (
-    ALLOC, FLUSH, FREE, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
-    SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
-)
+from filelock import FileLock
+
+from .allocator import AllocatorConfig, AllocatorConfigError, DEFAULT_POOL, kRoundUpPowerOfTwoIntervals
+from .columns import ACTIONS, CODE, OTHER, TraceColumns, columns_from_trace
+from .events import OOM, SegmentState
+from .metrics import WindowMetrics
+from .recorded import infer_capacity, recorded_summary_columns
+from .replay_types import ANCHORED, COMPILED, ENGINES, PYTHON, ReplayError, ReplayResult
+from .trace import SnapshotError, columns_from_snapshot, load_snapshot
+from .trace_io import is_trace_file, load_columns
+
+__all__ = [  # this module's own names, and the column and summary names its callers import from here
+    "ACTIONS", "CODE", "COMPILED", "ENGINES", "OTHER", "PYTHON", "SOURCE", "EngineUnavailable", "TraceColumns",
+    "columns_from_snapshot", "columns_from_trace", "compiled_available", "engine_for", "infer_capacity_columns",
+    "library_path", "load_columns_for_replay", "load_library", "recorded_summary_columns", "run_compiled",
+]
 
 SOURCE = Path(__file__).with_name("csrc") / "replay_core.cpp"
-COMPILED = "compiled"
-PYTHON = "python"
-ENGINES = ("auto", COMPILED, PYTHON)
-
-# Action codes shared with replay_core.cpp (enum Action): the index in this tuple. Anything else is OTHER.
-ACTIONS = (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, POOL_ENTER, POOL_EXIT,
-           POOL_RELEASE, PHASE, PHASE_END, FLUSH)
-OTHER = len(ACTIONS)
-CODE = {a: i for i, a in enumerate(ACTIONS)}
-_SEGMENT_CODES = bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
 
 
 class EngineUnavailable(RuntimeError):
     """The compiled core cannot be built or loaded here; the message says why (e.g. no g++)."""
-
-
-@dataclass
-class TraceColumns:
-    """A :class:`~.trace.Trace` as columns, ``n`` events long.
-
-    ``action``: one code per event (index into :data:`ACTIONS`, :data:`OTHER` for the rest); ``addr``,
-    ``size``, ``stream``, ``time_us``: ``array('q')`` (``time_is_delta``: differences from the previous
-    event, as ``.rlhftrace`` stores them); ``name``: ``array('i')`` index into ``names`` or -1. The other
-    fields are the Trace's own.
-    """
-
-    action: bytes
-    addr: array
-    size: array
-    stream: array
-    time_us: array
-    name: array
-    names: list[str]
-    time_is_delta: bool = False
-    initial_segments: list[SegmentState] = field(default_factory=list)
-    final_segments: list[dict] | None = None
-    allocator_settings: dict | None = None
-    capture: str = ""
-    source: str = ""
-    device: int = 0
-
-    def __len__(self) -> int:
-        return len(self.action)
-
-    def has_segment_events(self) -> bool:
-        return any(bytes([c]) in self.action for c in _SEGMENT_CODES)
-
-    def has_pool_markers(self) -> bool:
-        return any(bytes([CODE[a]]) in self.action for a in (POOL_ENTER, POOL_EXIT, POOL_RELEASE))
-
-    def count(self, *actions: str) -> int:
-        """Events whose action is one of ``actions`` (C speed: ``bytes.count``)."""
-        return sum(self.action.count(bytes([CODE[a]])) for a in actions)
-
-    def absolute_times(self) -> array:
-        if not self.time_is_delta:
-            return self.time_us
-        out, t = array("q"), 0
-        for d in self.time_us:
-            t += d
-            out.append(t)
-        return out
-
-    def to_trace(self) -> Trace:
-        """The Event list (for the Python engine): one Python object per event."""
-        names, acts = self.names, ACTIONS + ("other",)
-        times = self.absolute_times()
-        events = [Event(acts[c], a, s, st, t, names[k] if k >= 0 else "")
-                  for c, a, s, st, t, k in zip(self.action, self.addr, self.size, self.stream, times, self.name)]
-        return Trace(events=events, initial_segments=self.initial_segments, final_segments=self.final_segments,
-                     allocator_settings=self.allocator_settings, capture=self.capture, source=self.source,
-                     device=self.device)
-
-
-def columns_from_trace(trace: Trace) -> TraceColumns:
-    """The columns of ``trace`` (one pass over its events; an unknown action becomes OTHER)."""
-    names: list[str] = []
-    index: dict[str, int] = {"": -1}
-
-    def name_of(n: str) -> int:
-        k = index.get(n)
-        if k is None:
-            k = index[n] = len(names)
-            names.append(n)
-        return k
-
-    ev = trace.events
-    get = CODE.get
-
-    def column(i: int) -> array:
-        return array("q", map(itemgetter(i), ev))
-
-    return TraceColumns(
-        action=bytes([get(e[0], OTHER) for e in ev]),
-        addr=column(1), size=column(2), stream=column(3), time_us=column(4),
-        name=array("i", map(name_of, map(itemgetter(5), ev))), names=names,
-        initial_segments=trace.initial_segments, final_segments=trace.final_segments,
-        allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
-        device=trace.device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -169,8 +83,6 @@ def library_path() -> Path:
     out = cache / f"replay_core_{key}.so"
     if out.exists():
         return out
-    from filelock import FileLock
-
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(cache / "replay_core.lock")):
         if out.exists():  # another process built it while this one waited
@@ -267,14 +179,12 @@ def _buf(a: array | bytes) -> int:
 
 
 def infer_capacity_columns(cols: TraceColumns) -> int | None:
-    """:func:`~.replay.infer_capacity` on columns (compiled when available, else through the Event list)."""
+    """:func:`~.recorded.infer_capacity` on columns (compiled when available, else through the Event list)."""
     if bytes([CODE[OOM]]) not in cols.action:
         return None
     initial = sum(s.total_size for s in cols.initial_segments)
     ok, _ = compiled_available()
     if not ok:
-        from .replay import infer_capacity
-
         return infer_capacity(cols.to_trace())
     cap = array("q", [0])
     found = load_library().rc_infer_capacity(len(cols), _buf(cols.action), _buf(cols.addr), _buf(cols.size), initial,
@@ -310,17 +220,14 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
                  flush_at: list[int] | tuple[int, ...] = (), flush_names: list[str] | tuple[str, ...] = (),
                  mode: str = "free-running"):
     """Replay ``cols`` through the compiled core in ``mode`` (``free-running`` or ``anchored``, as
-    :func:`~.replay.replay`); returns a :class:`~.replay.ReplayResult` (``model`` and ``collector`` None,
+    :func:`~.replay.replay`); returns a :class:`~.replay_types.ReplayResult` (``model`` and ``collector`` None,
     ``engine`` "compiled").
 
     ``flush_at``: sorted event indices before which a FLUSH named ``flush_names[k]`` is inserted (the
-    advisor's candidates, as ``replay.with_flushes``), without copying the columns in Python. Raises
-    :class:`~.replay.ReplayError` for a segment that existed before the trace whose blocks do not fit it,
+    advisor's candidates, as ``python_engine.with_flushes``), without copying the columns in Python. Raises
+    :class:`~.replay_types.ReplayError` for a segment that existed before the trace whose blocks do not fit it,
     ``ValueError`` for a double free. ``capacity`` is bytes (``None``: unlimited).
     """
-    from .metrics import WindowMetrics
-    from .replay import ANCHORED, ReplayError, ReplayResult
-
     lib = load_library()
     cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
                       capacity or 0, int(capacity is not None)])
@@ -416,140 +323,15 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
 
 
 # ---------------------------------------------------------------------------------------------------
-# Snapshot pickles to columns
+# rlhfmem replay's input
 # ---------------------------------------------------------------------------------------------------
-
-# trace.py's _trace_from_snapshot: the entries kept and their actions (free_requested, snapshot, ... skipped).
-_KEPT = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC, SEGMENT_FREE: SEGMENT_FREE,
-         SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
-
-
-def columns_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
-                          source: str = "") -> TraceColumns:
-    """:func:`~.trace.trace_from_snapshot` as columns: the same events, initial segments and errors.
-
-    The lean path reads each field of the kept entries with ``operator.itemgetter`` straight into an
-    ``array('q')`` (no Event objects); an entry it cannot read that way (a missing ``stream``, a ``None``,
-    a negative number) or a snapshot with private pools takes ``trace_from_snapshot`` itself and
-    converts its Events. Raises :class:`~.trace.SnapshotError`.
-    """
-    import gc
-    from itertools import compress
-
-    from .allocator import AllocatorConfigError
-    from .trace import (
-        CAPTURE_CUDA, SnapshotError, _normalize_segment, _pick_device, _rebuild_initial_segments, trace_from_snapshot,
-    )
-
-    src = source or "snapshot"
-
-    def slow() -> TraceColumns:
-        return columns_from_trace(trace_from_snapshot(snap, device, config, source))
-
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        dev = _pick_device(snap, device, src)
-        try:
-            cfg = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
-            traces = snap.get("device_traces") or []
-            raw = (traces[dev] if dev < len(traces) else None) or []
-            segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
-        except (AllocatorConfigError, KeyError, TypeError, ValueError, AttributeError, IndexError):
-            return slow()  # its error message
-        if any(s["segment_pool_id"] != DEFAULT_POOL for s in segments):
-            return slow()  # pool markers: placed from the Events
-        try:
-            names = list(map(itemgetter("action"), raw))
-            keep = [a in _KEPT for a in names]
-            kept = list(compress(raw, keep)) if not all(keep) else raw
-            acts = [_KEPT[a] for a in compress(names, keep)]
-            cols = [array("q", map(itemgetter(k), kept)) for k in ("addr", "size", "stream", "time_us")]
-        except (KeyError, TypeError, OverflowError):
-            return slow()
-        if any(c and min(c) < 0 for c in cols):
-            return slow()
-        addr, size, stream, time_us = cols
-        try:
-            initial = _rebuild_initial_segments([], segments, cfg, src, rows=zip(acts, addr, size, stream))
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-            if isinstance(exc, SnapshotError):
-                raise
-            return slow()
-        return TraceColumns(
-            action=bytes(map(CODE.__getitem__, acts)), addr=addr, size=size, stream=stream, time_us=time_us,
-            name=array("i", [-1]) * len(acts), names=[],
-            initial_segments=initial, final_segments=segments, allocator_settings=snap.get("allocator_settings"),
-            capture=CAPTURE_CUDA, source=src, device=dev)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-
-
-_RECORDED = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
-                                                                 OOM))) + b"]")
-_BATCH_BREAK = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (ALLOC, FREE, FLUSH))) + b"]")
-
-
-def recorded_summary_columns(cols: TraceColumns):
-    """:func:`~.replay.recorded_summary` on columns: visits only the segment and oom events (found by a
-    regular expression over the action codes, at C speed) and asks the same expression language whether
-    an alloc, free or flush lies between two segment_free events (which ends a batch)."""
-    from .replay import RecordedSummary
-
-    reserved = sum(s.total_size for s in cols.initial_segments)
-    initial = peak = reserved
-    allocs: list[tuple[int, int]] = []
-    maps: list[tuple[int, int]] = []
-    unmaps: list[tuple[int, int]] = []
-    batches: list[list[tuple[int, int]]] = []
-    last_free, ooms, prev = False, 0, -1
-    act, addr, size = cols.action, cols.addr, cols.size
-    c_alloc, c_free, c_map, c_unmap = (CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
-    for m in _RECORDED.finditer(act):
-        i = m.start()
-        if last_free and _BATCH_BREAK.search(act, prev + 1, i):
-            last_free = False
-        prev = i
-        a = act[i]
-        if a == c_map:
-            maps.append((addr[i], size[i]))
-            reserved += size[i]
-            peak = max(peak, reserved)
-        elif a == c_unmap:
-            unmaps.append((addr[i], size[i]))
-            reserved -= size[i]
-        elif a == c_alloc:
-            allocs.append((addr[i], size[i]))
-            reserved += size[i]
-            peak = max(peak, reserved)
-            last_free = False
-        elif a == c_free:
-            if not last_free:
-                batches.append([])
-                last_free = True
-            batches[-1].append((addr[i], size[i]))
-            reserved -= size[i]
-        else:
-            ooms += 1
-    fs = cols.final_segments
-    return RecordedSummary(
-        segment_allocs=allocs, segment_free_batches=batches, peak_reserved=peak,
-        final_reserved=sum(s["total_size"] for s in fs) if fs is not None else None,
-        final_allocated=sum(s["allocated_size"] for s in fs) if fs is not None else None,
-        initial_reserved=initial, segment_maps=maps, segment_unmaps=unmaps, ooms=ooms,
-    )
 
 
 def load_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, AllocatorConfig]:
     """``rlhfmem replay``'s input as columns, with the recorded allocator settings: an ``.rlhftrace`` file
-    (``trace_io.load_columns``) or a snapshot pickle (:func:`columns_from_snapshot`; blocks that existed
+    (``trace_io.load_columns``) or a snapshot pickle (:func:`~.trace.columns_from_snapshot`; blocks that existed
     before the trace are sized with the recorded settings, as they were allocated). Raises
     :class:`~.trace.SnapshotError`, ``trace_io.TraceFileError`` or ``AllocatorConfigError``."""
-    from .allocator import AllocatorConfigError
-    from .trace import SnapshotError, load_snapshot
-    from .trace_io import is_trace_file, load_columns
-
     if is_trace_file(path):
         cols = load_columns(path)
         cols.source = cols.source or path

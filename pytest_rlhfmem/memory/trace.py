@@ -1,13 +1,14 @@
-"""Allocation traces: the one input of the allocator model and the metrics.
+"""The snapshot pickle format: ``torch.cuda.memory._dump_snapshot()`` files read into a
+:class:`~.events.Trace` (or its columns) and written back.
 
-A :class:`Trace` is a list of :class:`Event` in time order plus the device state before the first
-event. It comes from a ``torch.cuda.memory._dump_snapshot()`` pickle (a real GPU run; see
-:func:`trace_from_snapshot`) or from the CPU capture of ``capture.py`` (a simulated run), and it can be
-written back as a snapshot pickle that ``torch.cuda._memory_viz`` and pytorch.org/memory_viz read
-(:func:`write_snapshot`).
+A Trace comes from a ``torch.cuda.memory._dump_snapshot()`` pickle (a real GPU run; see
+:func:`trace_from_snapshot`, or :func:`columns_from_snapshot` for the columns the compiled replay core
+reads) or from the CPU capture of ``capture.py`` (a simulated run), and it can be written back as a
+snapshot pickle that ``torch.cuda._memory_viz`` and pytorch.org/memory_viz read (:func:`write_snapshot`).
 
 Snapshot format followed: ``torch/cuda/memory.py`` (``_snapshot``), ``torch/cuda/_memory_viz.py`` and
-``TraceEntry`` in ``c10/cuda/CUDACachingAllocator.h``. Sizes are bytes.
+``TraceEntry`` in ``c10/cuda/CUDACachingAllocator.h``. Sizes are bytes. The trace's types live in
+``events.py``; this module re-exports them, as callers have always imported them from here.
 """
 
 from __future__ import annotations
@@ -20,85 +21,26 @@ import operator
 import pickle
 from array import array
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from .allocator import (
     DEFAULT_POOL, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer, kSmallSize,
 )
+from .columns import CODE, TraceColumns, columns_from_trace
+from .events import (
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SYNTHETIC, FLUSH, FREE, OOM,
+    PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
+    SIMULATED_CAPTURES, Event, SegmentState, Trace,
+)
 
-# Event actions. ALLOC/FREE carry the REQUESTED size; SEGMENT_* the segment size.
-ALLOC = "alloc"
-FREE = "free"  # free_completed: the moment the block went back to its pool
-SEGMENT_ALLOC = "segment_alloc"
-SEGMENT_FREE = "segment_free"
-SEGMENT_MAP = "segment_map"  # expandable segments: pages mapped (addr, size of the pages)
-SEGMENT_UNMAP = "segment_unmap"
-OOM = "oom"  # a failed malloc: addr = the device's free bytes then (cudaMemGetInfo), size = rounded request
-# Private pools: allocations between POOL_ENTER and POOL_EXIT go to the pool (addr, size) = its
-# MempoolId_t, as inside ``with torch.cuda.use_mem_pool(pool)`` or a CUDA-graph capture. After POOL_EXIT
-# the pool stays held (by its MemPool object or graph) until a POOL_RELEASE (the MemPool is destroyed).
-POOL_ENTER = "pool_enter"
-POOL_EXIT = "pool_exit"
-POOL_RELEASE = "pool_release"
-PHASE = "phase"  # a phase begins (name); the previous one ends
-PHASE_END = "phase_end"  # a phase's code is done (name); what follows until the next PHASE is between phases
-FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which policy point)
-
-# How a trace was obtained: part of every result, budget and report.
-CAPTURE_CUDA = "cuda-memory-history"
-CAPTURE_CPU_SIMULATED = "cpu-trace-simulated"
-CAPTURE_FAKE_CUDA_SIMULATED = "fake-cuda-simulated"  # fake CUDA tensors recorded at the dispatcher (fakecuda/)
-SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED)
-CAPTURE_SYNTHETIC = "synthetic"
-
-
-class Event(NamedTuple):
-    action: str
-    addr: int = 0
-    size: int = 0
-    stream: int = 0
-    time_us: int = 0
-    name: str = ""
-
-
-@dataclass
-class SegmentState:
-    """A segment that existed before the trace began, with the blocks then allocated.
-
-    ``live_blocks`` are ``(address, block size, requested size)``; ``pool_id`` its ``segment_pool_id``.
-    """
-
-    address: int
-    total_size: int
-    stream: int
-    is_small: bool
-    live_blocks: list[tuple[int, int, int]] = field(default_factory=list)
-    pool_id: tuple[int, int] = DEFAULT_POOL
-
-
-@dataclass
-class Trace:
-    """Device allocation events in time order, with the state they started from.
-
-    ``final_segments`` is the recorded end state (a snapshot's ``segments``), ``None`` for captured
-    CPU traces. ``capture`` is one of ``CAPTURE_*``.
-    """
-
-    events: list[Event]
-    initial_segments: list[SegmentState] = field(default_factory=list)
-    final_segments: list[dict] | None = None
-    allocator_settings: dict | None = None
-    capture: str = CAPTURE_SYNTHETIC
-    source: str = ""
-    device: int = 0  # the device whose trace this is (a snapshot holds one trace per device)
-
-    def has_segment_events(self) -> bool:
-        return any(e.action in _SEGMENT_ACTIONS for e in self.events)
-
-
-_SEGMENT_ACTIONS = (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)
+__all__ = [  # the snapshot format's own names, and the trace's types callers import from here
+    "ALLOC", "CAPTURE_CPU_SIMULATED", "CAPTURE_CUDA", "CAPTURE_FAKE_CUDA_SIMULATED", "CAPTURE_SYNTHETIC", "FLUSH",
+    "FREE", "OOM", "PHASE", "PHASE_END", "POOL_ENTER", "POOL_EXIT", "POOL_RELEASE", "SEGMENT_ALLOC", "SEGMENT_FREE",
+    "SEGMENT_MAP", "SEGMENT_UNMAP", "SIMULATED_CAPTURES", "Event", "SegmentState", "SnapshotError", "Trace",
+    "columns_from_snapshot", "load_snapshot", "trace_from_snapshot", "write_snapshot",
+]
 
 
 class SnapshotError(ValueError):
@@ -422,6 +364,65 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
             resolved.append((addr, bsize, req))
         out.append(SegmentState(seg_addr, size, stream, is_small, resolved, pool_of.get(seg_addr, DEFAULT_POOL)))
     return out
+
+
+# _trace_from_snapshot's entries kept and their actions (free_requested, snapshot, ... skipped).
+_KEPT = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC, SEGMENT_FREE: SEGMENT_FREE,
+         SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
+
+
+def columns_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
+                          source: str = "") -> TraceColumns:
+    """:func:`trace_from_snapshot` as columns: the same events, initial segments and errors.
+
+    The lean path reads each field of the kept entries with ``operator.itemgetter`` straight into an
+    ``array('q')`` (no Event objects); an entry it cannot read that way (a missing ``stream``, a ``None``,
+    a negative number) or a snapshot with private pools takes :func:`trace_from_snapshot` itself and
+    converts its Events. Raises :class:`SnapshotError`.
+    """
+    src = source or "snapshot"
+
+    def slow() -> TraceColumns:
+        return columns_from_trace(trace_from_snapshot(snap, device, config, source))
+
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dev = _pick_device(snap, device, src)
+        try:
+            cfg = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+            traces = snap.get("device_traces") or []
+            raw = (traces[dev] if dev < len(traces) else None) or []
+            segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
+        except (AllocatorConfigError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return slow()  # its error message
+        if any(s["segment_pool_id"] != DEFAULT_POOL for s in segments):
+            return slow()  # pool markers: placed from the Events
+        try:
+            names = list(map(operator.itemgetter("action"), raw))
+            keep = [a in _KEPT for a in names]
+            kept = list(compress(raw, keep)) if not all(keep) else raw
+            acts = [_KEPT[a] for a in compress(names, keep)]
+            cols = [array("q", map(operator.itemgetter(k), kept)) for k in ("addr", "size", "stream", "time_us")]
+        except (KeyError, TypeError, OverflowError):
+            return slow()
+        if any(c and min(c) < 0 for c in cols):
+            return slow()
+        addr, size, stream, time_us = cols
+        try:
+            initial = _rebuild_initial_segments([], segments, cfg, src, rows=zip(acts, addr, size, stream))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            if isinstance(exc, SnapshotError):
+                raise
+            return slow()
+        return TraceColumns(
+            action=bytes(map(CODE.__getitem__, acts)), addr=addr, size=size, stream=stream, time_us=time_us,
+            name=array("i", [-1]) * len(acts), names=[],
+            initial_segments=initial, final_segments=segments, allocator_settings=snap.get("allocator_settings"),
+            capture=CAPTURE_CUDA, source=src, device=dev)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def write_snapshot(path: str | Path, trace: Trace, segments: list[dict], *, device_count: int = 1,

@@ -1,4 +1,4 @@
-"""A compact, versioned file for one rank's :class:`~.trace.Trace`, saved beside its result.
+"""A compact, versioned file for one rank's :class:`~.events.Trace`, saved beside its result.
 
 Why not a snapshot pickle: a memory_viz snapshot is the *replayed* trace (the model's addresses and
 segment events), not the program's own allocations, and a pickle of a million dicts is large and slow.
@@ -25,6 +25,7 @@ Errors: every problem of a file (missing, not this format, another version, trun
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import sys
 import zlib
@@ -32,7 +33,8 @@ from array import array
 from itertools import accumulate, repeat
 from pathlib import Path
 
-from .trace import Event, SegmentState, Trace
+from .columns import CODE, OTHER, TraceColumns
+from .events import Event, SegmentState, Trace
 
 MAGIC = b"RLHFMEM-TRACE\n"
 VERSION = 1
@@ -182,12 +184,10 @@ def load_trace(path: str | Path) -> Trace:
                  capture=str(header.get("capture", "")), source=str(header.get("source", "")))
 
 
-def load_columns(path: str | Path):
-    """:func:`load_trace` without the Event objects: a ``replay_engine.TraceColumns`` whose action codes
+def load_columns(path: str | Path) -> TraceColumns:
+    """:func:`load_trace` without the Event objects: a :class:`~.columns.TraceColumns` whose action codes
     are the replay engine's (one ``bytes.translate``), times kept as differences (``time_is_delta``).
     Raises :class:`TraceFileError`."""
-    from .replay_engine import CODE, OTHER, TraceColumns
-
     p, header, cols = _read(path)
     codes, addr, size, stream, dtime, name_col = cols
     table = bytearray(range(256))
@@ -214,8 +214,6 @@ def store_beside(results: list[dict], json_path: str | Path) -> None:
     result JSON ``json_path`` and point ``trace_file`` at the copy, relative to the JSON's directory, so
     that the JSON and its traces move together. Ranks without a trace file are left as they are;
     a trace file that no longer exists is dropped from the result (``trace_file`` None)."""
-    import shutil
-
     jp = Path(json_path)
     dest = jp.parent / f"{jp.stem}-traces"
     for r in results:

@@ -1,0 +1,110 @@
+"""A trace as columns: what the compiled replay core, the ``.rlhftrace`` reader and the advisor pass around.
+
+:class:`TraceColumns` holds action codes as ``bytes`` and ``array('q')`` address, size, stream and time
+columns, never a million ``Event`` objects; :func:`columns_from_trace` builds it from a
+:class:`~.events.Trace` and :meth:`TraceColumns.to_trace` goes back. The action codes (:data:`ACTIONS`,
+:data:`CODE`, :data:`OTHER`) are shared with ``csrc/replay_core.cpp`` (its ``enum Action``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from operator import itemgetter
+
+from .events import (
+    ALLOC, FLUSH, FREE, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
+    SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
+)
+
+# Action codes shared with replay_core.cpp (enum Action): the index in this tuple. Anything else is OTHER.
+ACTIONS = (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, POOL_ENTER, POOL_EXIT,
+           POOL_RELEASE, PHASE, PHASE_END, FLUSH)
+OTHER = len(ACTIONS)
+CODE = {a: i for i, a in enumerate(ACTIONS)}
+_SEGMENT_CODES = bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
+
+
+@dataclass
+class TraceColumns:
+    """A :class:`~.events.Trace` as columns, ``n`` events long.
+
+    ``action``: one code per event (index into :data:`ACTIONS`, :data:`OTHER` for the rest); ``addr``,
+    ``size``, ``stream``, ``time_us``: ``array('q')`` (``time_is_delta``: differences from the previous
+    event, as ``.rlhftrace`` stores them); ``name``: ``array('i')`` index into ``names`` or -1. The other
+    fields are the Trace's own.
+    """
+
+    action: bytes
+    addr: array
+    size: array
+    stream: array
+    time_us: array
+    name: array
+    names: list[str]
+    time_is_delta: bool = False
+    initial_segments: list[SegmentState] = field(default_factory=list)
+    final_segments: list[dict] | None = None
+    allocator_settings: dict | None = None
+    capture: str = ""
+    source: str = ""
+    device: int = 0
+
+    def __len__(self) -> int:
+        return len(self.action)
+
+    def has_segment_events(self) -> bool:
+        return any(bytes([c]) in self.action for c in _SEGMENT_CODES)
+
+    def has_pool_markers(self) -> bool:
+        return any(bytes([CODE[a]]) in self.action for a in (POOL_ENTER, POOL_EXIT, POOL_RELEASE))
+
+    def count(self, *actions: str) -> int:
+        """Events whose action is one of ``actions`` (C speed: ``bytes.count``)."""
+        return sum(self.action.count(bytes([CODE[a]])) for a in actions)
+
+    def absolute_times(self) -> array:
+        if not self.time_is_delta:
+            return self.time_us
+        out, t = array("q"), 0
+        for d in self.time_us:
+            t += d
+            out.append(t)
+        return out
+
+    def to_trace(self) -> Trace:
+        """The Event list (for the Python engine): one Python object per event."""
+        names, acts = self.names, ACTIONS + ("other",)
+        times = self.absolute_times()
+        events = [Event(acts[c], a, s, st, t, names[k] if k >= 0 else "")
+                  for c, a, s, st, t, k in zip(self.action, self.addr, self.size, self.stream, times, self.name)]
+        return Trace(events=events, initial_segments=self.initial_segments, final_segments=self.final_segments,
+                     allocator_settings=self.allocator_settings, capture=self.capture, source=self.source,
+                     device=self.device)
+
+
+def columns_from_trace(trace: Trace) -> TraceColumns:
+    """The columns of ``trace`` (one pass over its events; an unknown action becomes OTHER)."""
+    names: list[str] = []
+    index: dict[str, int] = {"": -1}
+
+    def name_of(n: str) -> int:
+        k = index.get(n)
+        if k is None:
+            k = index[n] = len(names)
+            names.append(n)
+        return k
+
+    ev = trace.events
+    get = CODE.get
+
+    def column(i: int) -> array:
+        return array("q", map(itemgetter(i), ev))
+
+    return TraceColumns(
+        action=bytes([get(e[0], OTHER) for e in ev]),
+        addr=column(1), size=column(2), stream=column(3), time_us=column(4),
+        name=array("i", map(name_of, map(itemgetter(5), ev))), names=names,
+        initial_segments=trace.initial_segments, final_segments=trace.final_segments,
+        allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
+        device=trace.device)

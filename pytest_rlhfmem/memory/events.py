@@ -1,0 +1,86 @@
+"""The trace's types: what every other module of ``memory/`` reads and writes.
+
+A :class:`Trace` is a list of :class:`Event` in time order plus the device state before the first
+event (:class:`SegmentState`); the ``*`` constants are the event actions and the ``CAPTURE_*`` labels
+say how a trace was obtained. The formats that read and write traces (``trace.py``: snapshot pickles;
+``trace_io.py``: ``.rlhftrace`` files), the recorders (``capture.py``) and the replay engines all build on
+this module, which imports nothing above the allocator model's pool id. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .allocator import DEFAULT_POOL
+
+# Event actions. ALLOC/FREE carry the REQUESTED size; SEGMENT_* the segment size.
+ALLOC = "alloc"
+FREE = "free"  # free_completed: the moment the block went back to its pool
+SEGMENT_ALLOC = "segment_alloc"
+SEGMENT_FREE = "segment_free"
+SEGMENT_MAP = "segment_map"  # expandable segments: pages mapped (addr, size of the pages)
+SEGMENT_UNMAP = "segment_unmap"
+OOM = "oom"  # a failed malloc: addr = the device's free bytes then (cudaMemGetInfo), size = rounded request
+# Private pools: allocations between POOL_ENTER and POOL_EXIT go to the pool (addr, size) = its
+# MempoolId_t, as inside ``with torch.cuda.use_mem_pool(pool)`` or a CUDA-graph capture. After POOL_EXIT
+# the pool stays held (by its MemPool object or graph) until a POOL_RELEASE (the MemPool is destroyed).
+POOL_ENTER = "pool_enter"
+POOL_EXIT = "pool_exit"
+POOL_RELEASE = "pool_release"
+PHASE = "phase"  # a phase begins (name); the previous one ends
+PHASE_END = "phase_end"  # a phase's code is done (name); what follows until the next PHASE is between phases
+FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which policy point)
+SEGMENT_ACTIONS = (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)  # the allocator's own decisions
+
+# How a trace was obtained: part of every result, budget and report.
+CAPTURE_CUDA = "cuda-memory-history"
+CAPTURE_CPU_SIMULATED = "cpu-trace-simulated"
+CAPTURE_FAKE_CUDA_SIMULATED = "fake-cuda-simulated"  # fake CUDA tensors recorded at the dispatcher (fakecuda/)
+SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED)
+CAPTURE_SYNTHETIC = "synthetic"
+
+
+class Event(NamedTuple):
+    action: str
+    addr: int = 0
+    size: int = 0
+    stream: int = 0
+    time_us: int = 0
+    name: str = ""
+
+
+@dataclass
+class SegmentState:
+    """A segment that existed before the trace began, with the blocks then allocated.
+
+    ``live_blocks`` are ``(address, block size, requested size)``; ``pool_id`` its ``segment_pool_id``.
+    """
+
+    address: int
+    total_size: int
+    stream: int
+    is_small: bool
+    live_blocks: list[tuple[int, int, int]] = field(default_factory=list)
+    pool_id: tuple[int, int] = DEFAULT_POOL
+
+
+@dataclass
+class Trace:
+    """Device allocation events in time order, with the state they started from.
+
+    ``final_segments`` is the recorded end state (a snapshot's ``segments``), ``None`` for captured
+    CPU traces. ``capture`` is one of ``CAPTURE_*``.
+    """
+
+    events: list[Event]
+    initial_segments: list[SegmentState] = field(default_factory=list)
+    final_segments: list[dict] | None = None
+    allocator_settings: dict | None = None
+    capture: str = CAPTURE_SYNTHETIC
+    source: str = ""
+    device: int = 0  # the device whose trace this is (a snapshot holds one trace per device)
+
+    def has_segment_events(self) -> bool:
+        return any(e.action in SEGMENT_ACTIONS for e in self.events)
+

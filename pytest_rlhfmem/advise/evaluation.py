@@ -1,0 +1,120 @@
+"""Replaying the advisor's candidates on every rank: both cores, one process per core, traces shared by fork.
+
+:class:`Evaluator` replays each candidate (:class:`~.candidates.Spec`) on every rank of a scenario, once
+(a cache by spec), and aggregates the ranks as a run's result does (the maximum over ranks: budgets are per
+GPU). The compiled replay core inserts a candidate's flushes itself (``flush_at``) when it supports the
+setting; otherwise the Python model replays the event list with the flushes in it. Sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+
+from ..memory.allocator import AllocatorConfig
+from ..memory.columns import columns_from_trace
+from ..memory.events import Trace
+from ..memory.replay import FREE_RUNNING, PYTHON, replay_columns
+from ..memory.replay_engine import engine_for
+from .candidates import Spec
+from .inputs import RankInput
+
+_RANKS: list[RankInput] = []  # the ranks being evaluated: fork hands them to the pool's workers
+
+
+def _spec_config(ri: RankInput, spec: Spec) -> AllocatorConfig:
+    base = (ri.trace.allocator_settings or {}).get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    return AllocatorConfig.parse(",".join(c for c in (base, spec.alloc_conf) if c))
+
+
+def _replay_one(job: tuple[Spec, int]) -> dict:
+    """One candidate on one rank: the compiled engine inserts the flushes itself (``flush_at``) when it
+    supports the setting; otherwise the Python model replays the event list with the flushes in it."""
+    spec, r = job
+    ri = _RANKS[r]
+    positions: list[int] = []
+    names: list[str] = []
+    if spec.recorded:
+        events, cols = ri.recorded, ri.recorded_columns
+    else:
+        events, cols = ri.program, ri.program_columns
+        if spec.flushes:
+            names = [n for n in spec.flushes if n in ri.boundaries.positions]
+            positions = [ri.boundaries.positions[n] for n in names]
+    trace = Trace(events=events, initial_segments=ri.trace.initial_segments,
+                  allocator_settings=ri.trace.allocator_settings, capture=ri.trace.capture)
+    if cols is None:
+        cols = columns_from_trace(trace)
+    res = replay_columns(cols, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=spec.capacity,
+                         flush_at=positions, flush_names=names, trace=trace)
+    t = res.total
+    return {"rank": ri.rank, "peak_reserved": t.peak_reserved, "fragmentation_at_peak": t.fragmentation_at_peak,
+            "peak_phase": res.peak_phase, "cuda_malloc": t.cuda_malloc_count, "cuda_free": t.cuda_free_count,
+            # bytes obtained from the driver: cudaMalloc'd segments plus, with expandable segments, mapped pages
+            "bytes_acquired": sum(s for _, s in res.segment_allocs) + sum(s for _, s in res.segment_maps),
+            "alloc_retries": t.alloc_retries,
+            "ooms": t.ooms, "peak_allocated": t.peak_allocated,
+            "flushes": len(res.flushes), "engine": res.engine}
+
+
+class Evaluator:
+    """Replays candidates on every rank, with a cache; ``processes`` > 1 uses a fork pool."""
+
+    def __init__(self, ranks: list[RankInput], processes: int) -> None:
+        global _RANKS
+        _RANKS = ranks
+        self.ranks = ranks
+        self.cache: dict[Spec, dict] = {}
+        self.replays = 0
+        self.pool = None
+        if processes > 1 and "fork" in multiprocessing.get_all_start_methods():
+            # The workers inherit the ranks' columns and events by fork; freezing the objects made so far
+            # keeps the workers' garbage collector from touching (and so copying) their pages.
+            gc.collect()
+            gc.freeze()
+            self.pool = multiprocessing.get_context("fork").Pool(processes)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.join()
+            self.pool = None
+            gc.unfreeze()
+
+    def _engine(self, job: tuple[Spec, int]) -> str:
+        spec, r = job
+        ri = self.ranks[r]
+        cols = ri.recorded_columns if spec.recorded else ri.program_columns
+        return engine_for(cols, _spec_config(ri, spec), FREE_RUNNING)[0]
+
+    def evaluate(self, specs: list[Spec]) -> list[dict]:
+        todo = [s for s in dict.fromkeys(specs) if s not in self.cache]
+        jobs = [(s, r) for s in todo for r in range(len(self.ranks))]
+        # Python-engine replays (expandable segments) first, then the largest traces: better balance
+        # across the two processes.
+        jobs.sort(key=lambda j: (self._engine(j) != PYTHON, -len(self.ranks[j[1]].program)))
+        outs = self.pool.map(_replay_one, jobs, chunksize=1) if self.pool and len(jobs) > 1 else \
+            [_replay_one(j) for j in jobs]
+        self.replays += len(jobs)
+        per: dict[Spec, list[dict]] = {}
+        for (s, _r), o in zip(jobs, outs):
+            per.setdefault(s, []).append(o)
+        for s, rows in per.items():
+            self.cache[s] = _aggregate(rows)
+        return [self.cache[s] for s in specs]
+
+
+def _aggregate(rows: list[dict]) -> dict:
+    """Max over ranks per metric (as the run's result aggregates); the peak's phase from the peak rank."""
+    rows = sorted(rows, key=lambda d: d["rank"])
+    top = max(rows, key=lambda d: d["peak_reserved"])
+    out = {k: max((d[k] or 0) for d in rows) for k in ("peak_reserved", "fragmentation_at_peak", "cuda_malloc",
+                                                       "cuda_free", "bytes_acquired", "alloc_retries", "ooms",
+                                                       "peak_allocated", "flushes")}
+    out["peak_phase"] = top["peak_phase"]
+    out["peak_rank"] = top["rank"]
+    engines = {d["engine"] for d in rows}
+    out["engine"] = engines.pop() if len(engines) == 1 else "mixed"
+    out["per_rank"] = [{k: d[k] for k in ("rank", "peak_reserved", "fragmentation_at_peak", "peak_phase",
+                                          "cuda_malloc", "cuda_free")} for d in rows]
+    return out

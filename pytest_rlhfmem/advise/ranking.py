@@ -1,0 +1,272 @@
+"""The advisor's sweep on one scenario, and its ranking: which candidate cuts the peak, at what cost.
+
+Cost of a candidate, relative to no flush under the default settings (allocator terms, max over ranks):
+extra cudaMalloc calls, extra cudaFree calls, bytes re-acquired (the extra bytes obtained from the driver:
+cudaMalloc'd, or mapped with expandable segments; negative = fewer than without the change). Candidates
+rank by: no OOM, then peak reserved, then extra allocator calls, bytes re-acquired, fewer changes
+(:func:`cost_key`).
+
+Search for the best set of at most K boundaries (not enumeration: 2^B sets): start from the best single
+boundary; at each step, replay the current set plus each boundary that lies before the current peak (a
+flush after the peak cannot lower it) and keep the addition that lowers peak reserved most (ties: lower
+cost); stop at K boundaries or when no addition lowers the peak. At most K x B replays, each a full replay
+(flushes interact: one flush changes what the next can release).
+
+A time is given only where the result carries measured CUDA flush durations (``flush_cost.measured_flush_s``);
+it is then an ESTIMATE (extra cudaFree x the measured mean per released segment; cudaMalloc time is not
+measured and is left out, so the estimate is a lower bound). CPU runs give no time: a cudaMalloc's duration
+is a GPU figure. All sizes are bytes; the JSON schema (:data:`SCHEMA`) is documented in ``docs/advise.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..memory.events import CAPTURE_CUDA
+from ..units import format_size
+from .candidates import (
+    DEFAULT_MAX_FLUSHES, Spec, check_settings, common_boundaries, describe, flush_candidates, setting_candidates,
+    setting_families,
+)
+from .evaluation import Evaluator
+from .inputs import ScenarioInput, load_inputs
+
+SCHEMA = "rlhfmem-advise/1"
+_KIND_ORDER = {"flush": 0, "flush-set": 1, "setting": 2, "combination": 3, "policy": 4, "recorded": 5}
+
+Row = Callable[[str, str, Spec], dict]  # (candidate id, kind, spec) -> its row, compared with no flush
+
+
+def cost_key(c: dict) -> tuple:
+    """Rank: no OOM, then peak reserved, then extra allocator calls, bytes re-acquired, fewer changes."""
+    return (c["ooms"] > 0, c["peak_reserved"], c["extra_cuda_malloc"] + c["extra_cuda_free"], c["bytes_reacquired"],
+            len(c["flushes_at"]) + bool(c["alloc_conf"]), _KIND_ORDER.get(c["kind"], 9))
+
+
+def candidate_row(si: ScenarioInput, evaluator: Evaluator, base: dict, policy_names: dict[str, str], cid: str,
+                  kind: str, spec: Spec) -> dict:
+    """One candidate's row: its replayed figures (max over ranks), its description and its cost against
+    ``base`` (the no-flush candidate's figures)."""
+    c = dict(evaluator.cache[spec])
+    desc = describe(spec)
+    if kind == "policy":
+        desc = f"study policy {policy_names.get(cid, cid)} ({len(spec.flushes)} flushes)"
+    elif kind == "recorded":
+        desc = f"flushes as recorded ({si.flush_policy or 'the program'}'s)"
+    c.update({"id": cid, "kind": kind, "description": desc, "flushes_at": list(spec.flushes),
+              "alloc_conf": spec.alloc_conf, "capacity": spec.capacity,
+              "delta_peak_reserved": c["peak_reserved"] - base["peak_reserved"],
+              "delta_peak_pct": (100.0 * (c["peak_reserved"] - base["peak_reserved"]) / base["peak_reserved"]
+                                 if base["peak_reserved"] else 0.0),
+              "extra_cuda_malloc": c["cuda_malloc"] - base["cuda_malloc"],
+              "extra_cuda_free": c["cuda_free"] - base["cuda_free"],
+              "bytes_reacquired": c["bytes_acquired"] - base["bytes_acquired"]})
+    c["time_estimate"] = _time_estimate(si, c)
+    return c
+
+
+def greedy_flush_set(si: ScenarioInput, evaluator: Evaluator, names: list[str], row: Row, base: dict,
+                     max_flushes: int) -> tuple[tuple[str, ...], list[dict]]:
+    """Greedy forward selection of at most ``max_flushes`` boundaries (the module docstring): the set found
+    (empty when no single flush lowers the peak) and the search's steps."""
+    singles = sorted((row(f"flush:{n}", "flush", Spec(flushes=(n,))) for n in names), key=cost_key)
+    search_steps: list[dict] = []
+    best_set: tuple[str, ...] = ()
+    if not (singles and max_flushes > 0 and singles[0]["peak_reserved"] < base["peak_reserved"]):
+        return best_set, search_steps
+    best_set = tuple(singles[0]["flushes_at"])
+    best = singles[0]
+    search_steps.append({"set": list(best_set), "peak_reserved": best["peak_reserved"]})
+    while len(best_set) < max_flushes:
+        peak_rank = si.ranks[[ri.rank for ri in si.ranks].index(best["peak_rank"])]
+        limit = peak_rank.boundaries.phase_starts.get(best["peak_phase"] or "", None)
+        if limit is None and peak_rank.boundaries.kind == "window":
+            limit = len(peak_rank.program)
+        tries = [n for n in names if n not in best_set
+                 and (limit is None or peak_rank.boundaries.positions.get(n, 0) <= limit)]
+        if not tries:
+            break
+        cand_specs = [Spec(flushes=tuple(n2 for n2 in names if n2 in best_set or n2 == n)) for n in tries]
+        evaluator.evaluate(cand_specs)
+        rows = sorted((row("search", "flush", s) for s in cand_specs), key=cost_key)
+        if rows[0]["peak_reserved"] >= best["peak_reserved"]:
+            break
+        best = rows[0]
+        best_set = tuple(best["flushes_at"])
+        search_steps.append({"set": list(best_set), "peak_reserved": best["peak_reserved"]})
+    return best_set, search_steps
+
+
+def add_combinations(rows_by_id: dict[str, dict], families: dict[str, list[str]], evaluator: Evaluator, row: Row,
+                     base: dict) -> None:
+    """When the best flush placement lowers the peak: replay it with the best setting of each family and
+    add those rows to ``rows_by_id``."""
+    flush_rows = [r for r in rows_by_id.values() if r["kind"] in ("flush", "policy", "flush-set") and r["flushes_at"]]
+    best_flush = min(flush_rows, key=cost_key) if flush_rows else None
+    if not (best_flush and best_flush["peak_reserved"] < base["peak_reserved"]):
+        return
+    combos: list[Spec] = []
+    for fam in families:
+        fam_rows = [rows_by_id[f"setting:{c}"] for c in families[fam] if f"setting:{c}" in rows_by_id]
+        if not fam_rows:
+            continue
+        b = min(fam_rows, key=cost_key)
+        combos.append(Spec(flushes=tuple(best_flush["flushes_at"]), alloc_conf=b["alloc_conf"],
+                           capacity=b["capacity"]))
+    evaluator.evaluate(combos)
+    for s in combos:
+        cid = f"combination:{'+'.join(s.flushes)}|{s.alloc_conf}"
+        rows_by_id[cid] = row(cid, "combination", s)
+
+
+def rank_rows(rows_by_id: dict[str, dict], policies: dict[str, str | None]
+              ) -> tuple[list[dict], dict[str, str | None]]:
+    """One row per distinct candidate, best first, numbered from 1 (a duplicate's id goes to the kept row's
+    ``same_as``), and the study policies pointing at the kept rows."""
+    ranked, seen = [], {}
+    for r in sorted(rows_by_id.values(), key=cost_key):
+        key = (tuple(r["flushes_at"]), r["alloc_conf"], r["capacity"], r["kind"] == "recorded")
+        if key in seen:
+            seen[key].setdefault("same_as", []).append(r["id"])
+            policies = {p: (seen[key]["id"] if c == r["id"] else c) for p, c in policies.items()}
+            continue
+        seen[key] = r
+        ranked.append(r)
+    for i, r in enumerate(ranked):
+        r["rank"] = i + 1
+    return ranked, policies
+
+
+def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = DEFAULT_MAX_FLUSHES,
+                    budget: int | None = None, capacity: int | None = None, top: int = 8,
+                    settings: tuple[str, ...] = ()) -> dict:
+    """Run the sweep on one scenario; returns its JSON section (see ``docs/advise.md``)."""
+    t0 = time.perf_counter()
+    names = common_boundaries(si.ranks)
+    specs, policies, policy_names = flush_candidates(si, names)
+    evaluator.evaluate([s for _, s in specs.values()])
+    base = evaluator.cache[Spec()]
+    row: Row = functools.partial(candidate_row, si, evaluator, base, policy_names)
+
+    best_set, search_steps = greedy_flush_set(si, evaluator, names, row, base, max_flushes)
+    if len(best_set) > 1:
+        specs["flush-set:" + "+".join(best_set)] = ("flush-set", Spec(flushes=best_set))
+
+    # Allocator settings, on the trace without flushes.
+    gc_capacity = capacity or budget or base["peak_reserved"]
+    cap_source = ("--capacity" if capacity else "--budget" if budget else
+                  "the no-flush peak reserved (a device exactly as large as the unchanged program needs)")
+    families = setting_families(si.ranks, settings)
+    not_evaluated = setting_candidates(families, gc_capacity, specs)
+    evaluator.evaluate([s for _, s in specs.values()])
+
+    rows_by_id = {cid: row(cid, kind, spec) for cid, (kind, spec) in specs.items()}
+    add_combinations(rows_by_id, families, evaluator, row, base)
+    ranked, policies = rank_rows(rows_by_id, policies)
+    return {
+        "scenario_id": si.scenario_id,
+        "capture": si.capture,
+        "simulated": si.capture != CAPTURE_CUDA,
+        "ranks": len(si.ranks),
+        "events": [len(ri.program) for ri in si.ranks],
+        "boundaries": names,
+        "boundary_kind": si.ranks[0].boundaries.kind,
+        "baseline": rows_by_id["none"],  # (the rows below are the same dicts as in candidates)
+        "as_recorded": rows_by_id.get("as-recorded"),
+        "policies": policies,
+        "candidates": ranked,
+        "not_evaluated": not_evaluated,
+        "assumptions": {"gc_capacity": gc_capacity, "gc_capacity_source": cap_source,
+                        "replay": "free-running (the model's own cudaMalloc/cudaFree decisions, no device "
+                                  "limit except for garbage_collection_threshold candidates)"},
+        "search": {"method": "greedy forward selection over boundaries before the current peak",
+                   "max_flushes": max_flushes, "steps": search_steps},
+        "premise": _premise(si, evaluator, rows_by_id),
+        "recommendation": _recommend(ranked[0], base),
+        "budget": _fit_budget(ranked, base, budget) if budget is not None else None,
+        "top": top,
+        "replays": evaluator.replays,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _time_estimate(si: ScenarioInput, c: dict) -> dict | None:
+    if not si.measured_flush_s or not si.flush_segments_released:
+        return None
+    per_free = sum(si.measured_flush_s) / si.flush_segments_released
+    return {"seconds": round(max(c["extra_cuda_free"], 0) * per_free, 6), "estimate": True,
+            "basis": f"extra cudaFree x {per_free * 1e6:.0f} us (measured mean per released segment of this "
+                     "run's flushes); cudaMalloc time not measured, so a lower bound"}
+
+
+def _premise(si: ScenarioInput, ev: Evaluator, rows: dict) -> dict:
+    """The premise, and what the advisor can check itself: the replay of the trace as recorded against the
+    run's measured peak reserved and fragmentation."""
+    text = ("a flush changes the allocator's state, not the program's allocations: every candidate replays the "
+            "same allocations. This holds for the recipes (tests/test_advise.py); a program that reads "
+            "memory_reserved() or catches OOM to allocate differently would not follow these predictions.")
+    out: dict = {"text": text, "measured_check": None}
+    m = si.measured
+    rec = rows.get("as-recorded") or rows["none"]
+    if m:
+        same = (m.get("peak_reserved") == rec["peak_reserved"]
+                and (m.get("fragmentation_at_peak") or 0) == (rec["fragmentation_at_peak"] or 0))
+        out["measured_check"] = {
+            "measured_peak_reserved": m.get("peak_reserved"), "replayed_peak_reserved": rec["peak_reserved"],
+            "measured_fragmentation_at_peak": m.get("fragmentation_at_peak"),
+            "replayed_fragmentation_at_peak": rec["fragmentation_at_peak"], "equal": same,
+            "note": ("the replay of the trace as recorded reproduces the run's figures" if same else
+                     "the replay of the trace as recorded does NOT reproduce the run's figures: on CUDA the model "
+                     "replays free-running (its own segment decisions); treat the deltas, not the absolute "
+                     "figures, as the prediction"),
+        }
+    return out
+
+
+def _recommend(best: dict, base: dict) -> dict:
+    if best["peak_reserved"] >= base["peak_reserved"] or best["id"] == "none":
+        return {"candidate": "none", "text": (f"no flush placement or evaluated setting lowers peak reserved below "
+                                               f"{format_size(base['peak_reserved'])}: keep the program as it is")}
+    text = (f"{best['description']}: {best['delta_peak_pct']:+.1f}% peak reserved "
+            f"({format_size(base['peak_reserved'])} -> {format_size(best['peak_reserved'])}), "
+            f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree")
+    return {"candidate": best["id"], "text": text}
+
+
+def _fit_budget(ranked: list[dict], base: dict, budget: int) -> dict:
+    fits = [r for r in ranked if r["peak_reserved"] <= budget and r["ooms"] == 0]
+    if not fits:
+        return {"size": budget, "candidate": None,
+                "text": f"no evaluated change fits {format_size(budget)}; the lowest peak reserved is "
+                        f"{format_size(ranked[0]['peak_reserved'])} ({ranked[0]['description']})"}
+    cheapest = min(fits, key=lambda r: (r["extra_cuda_malloc"] + r["extra_cuda_free"], r["bytes_reacquired"],
+                                        len(r["flushes_at"]) + bool(r["alloc_conf"]), r["peak_reserved"]))
+    what = "no change needed" if cheapest["id"] == "none" else cheapest["description"]
+    return {"size": budget, "candidate": cheapest["id"],
+            "text": f"cheapest change that fits {format_size(budget)}: {what} (peak reserved "
+                    f"{format_size(cheapest['peak_reserved'])}, {cheapest['extra_cuda_malloc']:+d} cudaMalloc, "
+                    f"{cheapest['extra_cuda_free']:+d} cudaFree)"}
+
+
+def advise(path: str | Path, max_flushes: int = DEFAULT_MAX_FLUSHES, budget: int | None = None,
+           capacity: int | None = None, processes: int | None = None, settings: tuple[str, ...] = ()) -> dict:
+    """The whole advisor: one JSON document for every scenario of INPUT (see ``docs/advise.md``).
+
+    ``settings``: extra ``PYTORCH_CUDA_ALLOC_CONF`` strings to evaluate. Raises :class:`AdviseInputError`
+    for an input it cannot use, :class:`AllocatorConfigError` for a bad extra setting.
+    """
+    check_settings(settings)
+    inputs = load_inputs(path)
+    procs = processes if processes is not None else min(2, os.cpu_count() or 1)
+    sections = []
+    for si in inputs:
+        ev = Evaluator(si.ranks, procs)
+        try:
+            sections.append(advise_scenario(si, ev, max_flushes, budget, capacity, settings=tuple(settings)))
+        finally:
+            ev.close()
+    return {"schema": SCHEMA, "input": str(path), "scenarios": sections}

@@ -50,6 +50,9 @@ class RankCapture:
     snapshot_dir: str | None = None
     threads: int | None = None
     cuda_emulation: str = "on"  # CPU capture: memory/emulation.py's CUDA adjustments, "on" | "off"
+    # what else shaped the capture, merged into the result's capture_description (e.g. the recipe's
+    # answer to DeepSpeed's dtype checks, hostcpu.py); the same on every host, so budgets compare
+    description: dict = field(default_factory=dict)
     rec: Any = None
     _t0: float = 0.0
     _progress: Path = field(init=False)
@@ -82,15 +85,20 @@ class RankCapture:
 
     def error_from(self, exc: BaseException, tb: str | None = None) -> dict:
         """A structured error: phase (innermost open one), type (``OOM`` for out-of-memory), message."""
+        from ..hostcpu import dtype_failure
+
         is_oom = "OutOfMemoryError" in type(exc).__name__ or any(s in str(exc).lower() for s in OOM_MESSAGES)
+        no_kernel = dtype_failure(str(exc), None)
+        kind = "OOM" if is_oom else ("DtypeUnsupported" if no_kernel else type(exc).__name__)
         return {"phase": self.rec.current_phase if self.rec else "startup", "time": time.time(),
-                "type": "OOM" if is_oom else type(exc).__name__, "message": str(exc)[:2000],
+                "type": kind, "message": (no_kernel + ": " if no_kernel else "") + str(exc)[:2000],
                 "traceback": (tb or traceback.format_exc())[-4000:]}
 
     def finish(self, info: dict | None, error: dict | None) -> dict:
         """Stop, replay (CPU: through the allocator model; CUDA: the real trace), write the rank's result
         (and its memory_viz snapshot with ``snapshot_dir``); returns the result dict."""
         from .. import api
+        from ..hostcpu import host_cpu_profile
         from ..memory.host import attach_host
         from ..rlhf.worker import rank_result
 
@@ -108,6 +116,8 @@ class RankCapture:
                              self.threads, wall)
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
         result["exit_phase"] = exit_phase  # where the program was when it ended (an exit status names it)
+        result["capture_description"] = {**result["capture_description"], **self.description}
+        result["host_cpu"] = host_cpu_profile(self.threads)  # what of the host could move a figure
         attach_host(result, rec.host)
         if self.capture:  # the program's own trace, for `rlhfmem advise` and the flush cost
             from ..advise import flush_cost

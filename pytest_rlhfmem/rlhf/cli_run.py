@@ -22,6 +22,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--world-size", type=int, default=2)
     r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
     r.add_argument("--batch-size", type=int, default=None)
+    r.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
+                   help="model precision (default: the recipe's GPU precision, fp16 for DeepSpeed-Chat, on any CPU; "
+                        "ColossalChat's CPU runs fp32); a non-default dtype is part of the scenario id")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
@@ -35,8 +38,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 def phase_table(result: dict) -> list[str]:
     """Per phase: the device figures (peak reserved, peak allocated, fragmentation, cudaMalloc), the host
     figures (peak RSS, pinned; measured) and time, max over ranks."""
-    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "|", "host peak RSS (growth)",
-             "host pinned", "time")]
+    rows = [("phase", "peak reserved", "peak allocated", "fragmentation", "cudaMalloc", "|",
+             "host peak RSS (anon growth)", "host pinned", "time")]
     for name, p in result["phases"].items():
         rows.append((name, format_size(p["peak_reserved"]), format_size(p["peak_allocated"]),
                      format_size(p["fragmentation_at_peak"]) if p["fragmentation_at_peak"] else "-",
@@ -60,6 +63,8 @@ def _run(args: argparse.Namespace) -> int:
     from .scenario import Scenario, ScenarioError
 
     overrides = {"batch_size": args.batch_size} if args.batch_size else {}
+    if args.dtype:
+        overrides["dtype"] = args.dtype
     if args.group_size is not None:
         overrides["group_size"] = args.group_size
     try:
@@ -82,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
     host = result.get("host") or {}
     print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
+          f"anonymous RSS: {host.get('anon_method')}; "
           f"pinned: {host.get('pinned_method')}")
     if args.json_out:
         from ..memory.trace_io import store_beside

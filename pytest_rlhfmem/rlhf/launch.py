@@ -242,7 +242,8 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "capture": first.get("capture"),
         "capture_description": first.get("capture_description", {}),
         "simulated": first.get("simulated", device == "cpu"),
-        "host": {k: first.get("host", {}).get(k) for k in ("rss_method", "pinned_method", "measured")},
+        "host": {k: first.get("host", {}).get(k) for k in ("rss_method", "anon_method", "pinned_method", "measured")},
+        "host_cpu": first.get("host_cpu"),  # what of the host could move a figure (hostcpu.py)
         "world_size": scenario.world_size,
         "versions": first.get("versions", {}),
         "threads": first.get("threads"),

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ..command.rank import RankCapture
+    from ..hostcpu import answer_deepspeed_dtype_checks, force_fp16_answer
     from .scenario import Scenario
 
     scenario = Scenario.from_dict(json.loads(args.scenario))
@@ -116,10 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     threads = scenario.get("threads", 1)
     torch.set_num_threads(threads)  # the allocation sequence depends on it: pinned and recorded
+    force_fp16_answer()  # $RLHFMEM_CPU_FP16_KERNELS: run as a CPU with (or without) fp16 kernels would
+    description = {}
+    if args.device == "cpu" and scenario.framework == "deepspeed-chat":
+        # the GPU's precision on any CPU: DeepSpeed's fp16/bf16 checks ask for fast CPU kernels (hostcpu.py)
+        description["deepspeed_dtype_checks"] = answer_deepspeed_dtype_checks()
     # The one capture path (rlhfmem capture uses it too): the recorder is the public API's active
     # handle, so rlhfmem.phase(...) inside a recipe or a library lands in the same trace as rec.phase.
     cap = RankCapture(scenario, args.device, Path(args.out_dir), rank, world_size, capture=not args.no_capture,
-                      snapshot_dir=args.snapshot_dir, threads=threads, cuda_emulation=args.cuda_emulation)
+                      snapshot_dir=args.snapshot_dir, threads=threads, cuda_emulation=args.cuda_emulation,
+                      description=description)
     cap.progress("startup")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -298,9 +298,10 @@ class RlhfmemSession:
             tr.write_line("simulated = CPU allocation trace replayed through the CUDA caching allocator model; "
                           "not a GPU measurement")
         if self.results:
-            tr.write_line("host peak RSS (growth) / host pinned: measured in each rank's process (max over ranks), "
-                          "never simulated; growth = peak minus the RSS after imports, the budgeted figure; on CPU "
-                          "'pinned' = offload buffers held in host memory (nothing is page-locked)")
+            tr.write_line("host peak RSS (anon growth) / host pinned: measured in each rank's process (max over "
+                          "ranks), never simulated; anon growth = peak anonymous RSS (sampled) minus its value after "
+                          "imports, the budgeted figure; on CPU 'pinned' = offload buffers held in host memory "
+                          "(nothing is page-locked)")
         from .report import flush_tradeoffs
 
         from .timing import session_spreads
@@ -336,7 +337,7 @@ def _gpu_mark_args(mark: pytest.Mark) -> tuple[int, float | None]:
 def summary_table(results: list[dict]) -> list[str]:
     """scenario | capture | peak reserved | peak allocated | fragmentation | vs budget."""
     rows = [("scenario", "capture", "peak reserved", "peak allocated", "fragmentation", "peak phase",
-             "host peak RSS (growth)", "host pinned", "vs budget")]
+             "host peak RSS (anon growth)", "host pinned", "vs budget")]
     for r in results:
         m = r.get("metrics") or {}
         b = r.get("budget") or {}
@@ -515,8 +516,17 @@ class MemoryBudget:
                 advice = "\n" + advice
             pytest.fail(
                 f"{eid} is over its memory budget ({label}); budget file {path}\n"
-                f"peak reserved reached in phase: {result.peak_phase}\n\n{B.format_table(rows)}{advice}",
+                f"peak reserved reached in phase: {result.peak_phase}\n\n{B.format_table(rows)}{advice}"
+                f"{host_note(result.data.get('host_cpu'), entry.raw.get('host_cpu'))}",
                 pytrace=False)
+
+
+def host_note(mine: dict | None, budget: dict | None) -> str:
+    """A failure's last line when this run's host differs from the budget's (hostcpu.py), else ``""``."""
+    from .hostcpu import host_differences
+
+    diffs = host_differences(mine, budget)
+    return ("\nthis host differs from the budget's (this run vs budget): " + "; ".join(diffs)) if diffs else ""
 
 
 @pytest.fixture

@@ -37,9 +37,12 @@ class Side:
 
 
 def _env(r: dict) -> dict:
+    """A result's or budget entry's environment: device, capture, versions, and the host properties that could
+    move a CPU figure (``host_cpu``, hostcpu.py; named ``host <property>``)."""
     v = r.get("versions") or {}
     return {"device": r.get("device"), "capture": r.get("capture"), "world_size": r.get("world_size"),
-            **{k: v[k] for k in ("torch", "deepspeed", "transformers", "peft", "colossalai") if k in v}}
+            **{k: v[k] for k in ("torch", "deepspeed", "transformers", "peft", "colossalai") if k in v},
+            **{f"host {k}": val for k, val in (r.get("host_cpu") or {}).items()}}
 
 
 def without_flush(side: Side) -> Side:
@@ -63,8 +66,7 @@ def load_side(path: str | Path) -> Side:
             raise ReportInputError(str(exc)) from None
         side = Side(str(p))
         for eid, e in bf.entries.items():
-            env = {"device": e.device, "capture": e.capture, "world_size": e.raw.get("world_size"),
-                   **(e.raw.get("versions") or {})}
+            env = _env({"device": e.device, **e.raw})
             side.scenarios[eid] = {"metrics": dict(e.metrics), "status": "ok", "env": env}
         return side
     try:
@@ -264,8 +266,8 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     if any(s["env"].get("capture") == "cpu-trace-simulated" for side in (d.base, d.head)
            for s in side.scenarios.values()):
         lines += ["", "_cpu-trace-simulated figures are simulated: a CPU allocation trace replayed through the "
-                  "CUDA caching allocator model. host_peak_rss, host_rss_growth and host_pinned_peak are measured "
-                  "(each rank's process), never simulated._"]
+                  "CUDA caching allocator model. host_anon_growth, host_pinned_peak and the RSS figures are "
+                  "measured (each rank's process), never simulated._"]
     changed = [r for r in d.rows if r.status not in ("unchanged", "unmeasured")]
     lines += ["", "## Changes", ""]
     lines += _md_table(changed) if changed else ["No metric moved beyond the threshold."]

@@ -37,6 +37,9 @@ def test_users_own_test_update_check_and_lowered_budget(pytester):
     entry = data["entries"][SCENARIO]
     assert entry["capture"] == "cpu-trace-simulated" and entry["device"] == "cpu"
     assert entry["metrics"]["peak_reserved"].endswith("iB")  # a size with a unit
+    assert entry["metrics"]["host_anon_growth"].endswith("iB") and "host_rss_growth" not in entry["metrics"]
+    assert entry["host_cpu"]["aten_cpu_capability"] and "cpu_model" in entry["host_cpu"]  # what could move a figure
+    assert "deepspeed_dtype_checks" in entry["capture_description"]  # fp16 on any CPU, said in every result
     # 3. a partial update keeps entries it did not produce; a whole-suite run lists them as stale
     data["entries"]["deepspeed-chat/tiny-opt/zero1/flush-none/x1"] = {"metrics": {"peak_reserved": "1 GiB"}}
     _budget(pytester).write_text(yaml.safe_dump(data))
@@ -51,16 +54,20 @@ def test_users_own_test_update_check_and_lowered_budget(pytester):
     r = pytester.runpytest_subprocess()
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["*rlhfmem: memory per scenario*", f"{SCENARIO}*simulated*ok*"])
-    # 5. lower the budget: fails with the table and the phase of the peak
+    # 5. lower the budget: fails with the table and the phase of the peak; a budget recorded on another CPU
+    #    (here: one that dispatched to a made-up ISA) is named in the failure
     data = yaml.safe_load(_budget(pytester).read_text())
     data["entries"][SCENARIO]["metrics"]["peak_reserved"] = "8 MiB"
+    data["entries"][SCENARIO]["host_cpu"]["aten_cpu_capability"] = "OTHER-ISA"
     _budget(pytester).write_text(yaml.safe_dump(data))
     r = pytester.runpytest_subprocess()
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines([f"*{SCENARIO} is over its memory budget (simulated*",
                             "*peak reserved reached in phase: *",
                             "*metric*budget*measured*delta*tolerance*",
-                            "*peak_reserved*8.00 MiB*OVER BUDGET*"])
+                            "*peak_reserved*8.00 MiB*OVER BUDGET*",
+                            "*this host differs from the budget's (this run vs budget): "
+                            "aten_cpu_capability: * vs OTHER-ISA*"])
 
 
 MALFORMED = {
@@ -72,8 +79,11 @@ MALFORMED = {
                     "entry '{id}': unknown key 'metrix'; allowed: capture, device"),
     "bad_yaml": ("entries: [unclosed\n", "line 2: not valid YAML"),
     "rss_budget": ("entries:\n  {id}:\n    metrics:\n      host_peak_rss: 600 MiB\n",
-                   "entry '{id}'.metrics: host_peak_rss is reported, not budgeted: the gated host figure is "
-                   "host_rss_growth"),
+                   "entry '{id}'.metrics: host_peak_rss is reported, not budgeted (peak RSS includes the "
+                   "environment's resident library pages): the gated host figure is host_anon_growth"),
+    "rss_growth_budget": ("entries:\n  {id}:\n    metrics:\n      host_rss_growth: 300 MiB\n",
+                          "entry '{id}'.metrics: host_rss_growth is reported, not budgeted (RSS growth includes "
+                          "library pages faulted in during the iteration"),
 }
 
 

@@ -62,6 +62,16 @@ def test_diff_of_two_real_suite_runs_shows_what_the_flush_changed(sessions):
 def test_diff_against_a_budget_file_and_bad_inputs(sessions, tmp_path):
     p = rlhfmem("diff", str(REPO / "baselines/cpu/deepspeed_chat_cpu.yaml"), str(sessions / "head.json"))
     assert p.returncode == 0 and "1 unchanged" in p.stdout and "13 missing" in p.stdout
+    assert "| host aten_cpu_capability |" in p.stdout  # what of the host could move a figure, both sides
+    # a budget recorded on another CPU: the diff names the property that differs
+    import yaml
+
+    data = yaml.safe_load((REPO / "baselines/cpu/deepspeed_chat_cpu.yaml").read_text())
+    for e in data["entries"].values():
+        e["host_cpu"]["aten_cpu_capability"] = "OTHER-ISA"
+    (tmp_path / "other_cpu.yaml").write_text(yaml.safe_dump(data))
+    p = rlhfmem("diff", str(tmp_path / "other_cpu.yaml"), str(sessions / "head.json"))
+    assert "**Environments differ**" in p.stdout and "host aten_cpu_capability: base OTHER-ISA vs head " in p.stdout
     (tmp_path / "x.json").write_text("[1, 2]")
     bad = rlhfmem("diff", str(tmp_path / "x.json"), str(sessions / "head.json"))
     assert bad.returncode == 2 and bad.stderr.startswith("rlhfmem: error:") and "x.json" in bad.stderr

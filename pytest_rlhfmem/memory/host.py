@@ -21,6 +21,14 @@ Figures, all in bytes, per rank:
   here: the same ColossalChat scenario (tiny OPT x2) peaked at 639-647 MiB in an older environment and at
   831-848 MiB in fresh ones with identical packages (the resident pages of the mapped shared libraries
   differ: libtorch_cpu.so 103.5 vs 52.3 MiB after the same imports), with growths of 98-109 and 112-131 MiB.
+- ``host_anon_peak`` / ``host_anon_growth``: the most anonymous resident memory the process held
+  (``/proc/self/statm`` resident minus shared pages, i.e. ``RssAnon``: heap, ``mmap``'d tensors, written
+  private pages), sampled every millisecond by a thread and read at every phase boundary, and its growth
+  over the value when measuring began. This is what the iteration itself allocates on the host, and the
+  host figure budgets gate: file-backed pages (the resident parts of mapped shared libraries, which the
+  kernel faults in lazily and which differed between environments with identical packages by 10-46 MiB of
+  growth) are not in it. Linux has no high-water mark for it, so a peak shorter than the interval can be
+  missed (a tensor allocated and freed within 1 ms between two boundaries).
 - ``host_pinned_peak``: on CUDA, the most page-locked memory held by PyTorch's caching host allocator
   (``torch.cuda.host_memory_stats()['allocated_bytes.peak']``, peak reset per phase with
   ``torch.cuda.reset_peak_host_memory_stats``; DeepSpeed pins its offload buffers through it). On CPU
@@ -44,9 +52,10 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-HOST_METRIC_NAMES = ("host_peak_rss", "host_rss_growth", "host_pinned_peak")
+HOST_METRIC_NAMES = ("host_peak_rss", "host_rss_growth", "host_anon_peak", "host_anon_growth", "host_pinned_peak")
 RSS_HWM = "VmHWM, reset per phase through /proc/self/clear_refs"
 RSS_SAMPLED = "sampled from /proc/self/statm every 1 ms"
+ANON_SAMPLED = "resident minus shared pages of /proc/self/statm, sampled every 1 ms and at phase boundaries"
 PINNED_CUDA = "torch.cuda.host_memory_stats allocated_bytes.peak (page-locked)"
 PINNED_CPU = "live bytes of the offload buffers declared host-resident (not page-locked on CPU)"
 
@@ -62,13 +71,28 @@ def _status_kib(key: str) -> int | None:
     return None
 
 
-def current_rss() -> int:
-    """Resident set size now (bytes); 0 where ``/proc`` is missing."""
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _statm() -> tuple[int, int]:
+    """(resident, anonymous resident) bytes now: ``/proc/self/statm`` fields 2 and 2 - 3 (resident minus
+    shared, i.e. RssAnon, ``Documentation/filesystems/proc.rst``); (0, 0) where ``/proc`` is missing."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            fields = f.read().split()
+        return int(fields[1]) * _PAGE, (int(fields[1]) - int(fields[2])) * _PAGE
     except OSError:
-        return 0
+        return 0, 0
+
+
+def current_rss() -> int:
+    """Resident set size now (bytes); 0 where ``/proc`` is missing."""
+    return _statm()[0]
+
+
+def current_anon() -> int:
+    """Anonymous resident memory now (bytes; resident minus file-backed and shared pages)."""
+    return _statm()[1]
 
 
 def _has_host_allocator_stats() -> bool:
@@ -87,26 +111,36 @@ def _reset_hwm() -> bool:
 
 
 class _Sampler(threading.Thread):
-    """Fallback peak-RSS meter: polls ``/proc/self/statm``; ``reset()`` restarts the peak at the current RSS."""
+    """Peak meter polling ``/proc/self/statm``: ``peak`` (RSS; the fallback where VmHWM cannot be reset) and
+    ``anon_peak`` (anonymous RSS, which has no kernel high-water mark); ``reset()`` restarts both at now."""
 
     def __init__(self, interval_s: float = 0.001) -> None:
         super().__init__(name="rlhfmem-rss-sampler", daemon=True)
         self.interval_s = interval_s
-        self.peak = current_rss()
+        self.peak, self.anon_peak = _statm()
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval_s):
-            rss = current_rss()
-            if rss > self.peak:
-                self.peak = rss
+            self._sample()
+
+    def _sample(self) -> None:
+        rss, anon = _statm()
+        if rss > self.peak:
+            self.peak = rss
+        if anon > self.anon_peak:
+            self.anon_peak = anon
 
     def read(self) -> int:
-        self.peak = max(self.peak, current_rss())
+        self._sample()
         return self.peak
 
+    def read_anon(self) -> int:
+        self._sample()
+        return self.anon_peak
+
     def reset(self) -> None:
-        self.peak = current_rss()
+        self.peak, self.anon_peak = _statm()
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -129,6 +163,9 @@ class HostMemory:
     pinned_method: str = ""
     peak_rss: int = 0
     rss_at_start: int = 0  # RSS when measuring began: the interpreter and the imported frameworks
+    anon_peak: int = 0
+    anon_at_start: int = 0  # anonymous RSS when measuring began
+    anon_method: str = ANON_SAMPLED
     pinned_peak: int = 0
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
     _sampler: _Sampler | None = None
@@ -136,18 +173,17 @@ class HostMemory:
     _open: list[str] = field(default_factory=list)  # open phases, innermost last
     _phase_pinned: int = 0
     _cuda_stats: bool = False  # torch.cuda.host_memory_stats available and used
+    _hwm: bool = False  # VmHWM read and reset per window (else the sampler's RSS peak)
 
     def start(self) -> None:
         """Begin measuring (before the first model is built)."""
         self._cuda_stats = self.device == "cuda" and _has_host_allocator_stats()
-        self.rss_at_start = current_rss()
+        self.rss_at_start, self.anon_at_start = _statm()
         self.pinned_method = PINNED_CUDA if self._cuda_stats else PINNED_CPU
-        if _status_kib("VmHWM") is not None and _reset_hwm():
-            self.rss_method = RSS_HWM
-        else:
-            self.rss_method = RSS_SAMPLED
-            self._sampler = _Sampler()
-            self._sampler.start()
+        self._hwm = _status_kib("VmHWM") is not None and _reset_hwm()
+        self.rss_method = RSS_HWM if self._hwm else RSS_SAMPLED
+        self._sampler = _Sampler()  # anonymous RSS always (no kernel high-water mark); RSS where VmHWM is not
+        self._sampler.start()
         self._reset_pinned_peak()
 
     def stop(self) -> None:
@@ -170,13 +206,18 @@ class HostMemory:
         """Fold the peaks since the last boundary into the window that just ended (and the iteration's),
         then reset them for the next window."""
         rss, pinned = self._read_rss_peak(), self._read_pinned_peak()
+        anon = self._sampler.read_anon() if self._sampler is not None else current_anon()
         self.peak_rss = max(self.peak_rss, rss)
+        self.anon_peak = max(self.anon_peak, anon)
         self.pinned_peak = max(self.pinned_peak, pinned)
         window = self._open[-1] if self._open else self.root
         if window is not None:
             prev = self.phases.get(window, {})
             peak = max(rss, prev.get("host_peak_rss", 0))
+            anon_peak = max(anon, prev.get("host_anon_peak", 0))
             self.phases[window] = {"host_peak_rss": peak, "host_rss_growth": max(0, peak - self.rss_at_start),
+                                   "host_anon_peak": anon_peak,
+                                   "host_anon_growth": max(0, anon_peak - self.anon_at_start),
                                    "host_pinned_peak": max(pinned, prev.get("host_pinned_peak", 0)),
                                    "host_rss_at_end": current_rss()}
         self._reset_rss_peak()
@@ -195,14 +236,14 @@ class HostMemory:
 
     # -- readings ---------------------------------------------------------------------------------
     def _read_rss_peak(self) -> int:
-        if self._sampler is not None:
-            return self._sampler.read()
+        if not self._hwm:
+            return self._sampler.read() if self._sampler is not None else current_rss()
         return _status_kib("VmHWM") or 0
 
     def _reset_rss_peak(self) -> None:
         if self._sampler is not None:
             self._sampler.reset()
-        else:
+        if self._hwm:
             _reset_hwm()
 
     def _offloaded_live(self) -> int:
@@ -228,19 +269,25 @@ class HostMemory:
             self._phase_pinned = self._offloaded_live()
 
     def to_dict(self) -> dict:
-        """``{"host_peak_rss", "host_rss_at_start", "host_rss_growth", "host_pinned_peak", "rss_method",
-        "pinned_method", "measured": True, "phases": {phase: {"host_peak_rss", "host_rss_growth",
+        """``{"host_peak_rss", "host_rss_at_start", "host_rss_growth", "host_anon_peak", "host_anon_at_start",
+        "host_anon_growth", "host_pinned_peak", "rss_method", "anon_method", "pinned_method", "measured": True,
+        "phases": {phase: {"host_peak_rss", "host_rss_growth", "host_anon_peak", "host_anon_growth",
         "host_pinned_peak", "host_rss_at_end"}}}`` (bytes)."""
         return {"host_peak_rss": self.peak_rss, "host_rss_at_start": self.rss_at_start,
                 "host_rss_growth": max(0, self.peak_rss - self.rss_at_start),
+                "host_anon_peak": self.anon_peak, "host_anon_at_start": self.anon_at_start,
+                "host_anon_growth": max(0, self.anon_peak - self.anon_at_start), "anon_method": self.anon_method,
                 "host_pinned_peak": self.pinned_peak, "rss_method": self.rss_method,
                 "pinned_method": self.pinned_method, "measured": True, "phases": dict(self.phases)}
 
 
 def format_rss(m: dict) -> str:
-    """``"646.86 MiB (+105.66 MiB)"``: a result's peak RSS and, in brackets, the growth budgets gate."""
+    """``"646.86 MiB (anon +105.66 MiB)"``: a result's peak RSS and, in brackets, the growth of anonymous
+    memory that budgets gate (``+... RSS`` for results written before it was measured)."""
     from ..units import format_size
 
+    if m.get("host_anon_growth") is not None:
+        return format_size(m.get("host_peak_rss")) + f" (anon +{format_size(m['host_anon_growth'])})"
     growth = m.get("host_rss_growth")
     return format_size(m.get("host_peak_rss")) + (f" (+{format_size(growth)})" if growth is not None else "")
 

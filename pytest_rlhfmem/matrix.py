@@ -62,5 +62,55 @@ def run_benchmarked(benchmark, ppo_iteration, scenario: Scenario, device: str):
                                  "simulated": result.simulated, "iteration_wall_s": result["iteration_wall_s"],
                                  "time_rounds": result.data.get("time_rounds"),  # --rlhfmem-time-rounds
                                  "memory": result.metrics, "memory_units": "bytes for sizes, plain counts",
-                                 "host_figures": "measured (host_peak_rss, host_pinned_peak)"})
+                                 "host_figures": "measured (host_peak_rss, host_anon_growth, host_pinned_peak)"})
     return result
+
+
+# Figures a CPU must not move: compared by :func:`run_as_other_cpu`.
+PORTABLE_FIGURES = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "cuda_malloc_count", "alloc_retries")
+
+
+# What two runs of one scenario may differ by on the same machine, with or without a forced setting: races between
+# a recipe's threads, seen and explained. ZeRO-2's communication threads free one 512-byte block at slightly
+# different moments (peak allocated, fragmentation at peak). ColossalChat: in about 1 run in 5 one rank frees
+# DDP's parameter-broadcast bucket after the Reducer's gradient bucket is allocated (a gloo thread's free;
+# baselines/cpu/colossalchat_cpu.yaml's notes): that rank's init peaks move by up to 14 MiB reserved, about
+# 10.5 MiB allocated and two cudaMallocs. Everything else is exact.
+ZERO2_RACE = {"peak_allocated": 512, "fragmentation_at_peak": 512}
+DDP_RACE = {"peak_reserved": 14 * 2**20, "peak_allocated": 11 * 2**20, "fragmentation_at_peak": 14 * 2**20,
+            "cuda_malloc_count": 2}
+
+
+def known_race(scenario) -> dict[str, int]:
+    """The figure -> bytes (or count) that ``scenario`` may move by between two runs on one machine."""
+    if scenario.framework == "colossalchat":
+        return DDP_RACE
+    return ZERO2_RACE if scenario.strategy == "zero2" else {}
+
+
+def run_as_other_cpu(scenario, setting: str, iteration_result, ppo_iteration, monkeypatch) -> tuple[dict, dict]:
+    """Run ``scenario`` as the CPU of ``hostcpu.FORCED_CPU_SETTINGS[setting]`` would and compare it with this
+    machine's own run (``iteration_result``: the suite's, when it ran earlier in the session).
+
+    Returns ``(moved, unapplied)``: the :data:`PORTABLE_FIGURES` that differ beyond the scenario's
+    :func:`known_race` as ``{figure: (native, forced)}``, and the host properties the workers did not record as
+    forced (``{property: recorded}``; a CPU without AVX2 cannot be raised to it, so that one is not required)."""
+    from .hostcpu import FORCED_CPU_SETTINGS
+
+    native = iteration_result(scenario)
+    env, expected_host = FORCED_CPU_SETTINGS[setting]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)  # the launcher passes its environment to the torchrun workers
+    forced = ppo_iteration(scenario.framework, scenario.models, scenario.strategy, scenario.flush,
+                           scenario.world_size, device="cpu")
+    host = forced["host_cpu"] or {}
+    unapplied = {k: host.get(k) for k, v in expected_host.items() if host.get(k) != v
+                 and not (k == "aten_cpu_capability" and native["host_cpu"][k] == "DEFAULT")}
+    if forced["capture_description"] != native["capture_description"]:
+        unapplied["capture_description"] = forced["capture_description"]
+    moved = {}
+    for m in PORTABLE_FIGURES:
+        a, b = native.metrics[m] or 0, forced.metrics[m] or 0
+        if abs(a - b) > known_race(scenario).get(m, 0):
+            moved[m] = (a, b)
+    return moved, unapplied

@@ -2,7 +2,7 @@
 
     python -m pytest_rlhfmem.fakecuda.worker --scenario '{...}' --rank 0 --out result.json
 
-Runs the project's recipe (``rlhf/deepspeed_chat.py: run_iteration``, unchanged) with ``device="cuda"``
+Runs the project's recipe (``rlhf/deepspeed_chat/: run_iteration``, unchanged) with ``device="cuda"``
 under ``FakeTensorMode``, on the ``fake`` process-group backend
 (``torch.testing._internal.distributed.fake_pg``: collectives complete at once and move no data), as
 rank ``--rank`` of ``scenario.world_size``. Only this rank runs: with a fake process group no rank

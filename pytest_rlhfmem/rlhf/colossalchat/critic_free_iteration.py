@@ -1,5 +1,5 @@
-"""ReMax and GRPO on the ColossalChat recipe (maths in ``critic_free.py``): ``colossalchat.py``'s plugins,
-boosters and placement rules, without the critic.
+"""ReMax and GRPO on the ColossalChat recipe (maths in ``rlhf/critic_free.py``): the PPO iteration's plugins,
+boosters and placement rules (``builders.py``), without the critic.
 
 - ReMax (Li et al. 2023, Algorithm 1): actor, reference, reward boosted; a sampled and a greedy generation
   (phase ``generate_greedy``), the reward model scores both, one REINFORCE update.
@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.capture import Recorder
-from . import critic_free, ppo
-from .colossalchat import CPU_DTYPE, STRATEGY_PLUGINS, _tensors, boost_models
-from .common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
-from .models import get_pair
-from .scenario import DEFAULT_GROUP_SIZE, Scenario
+from ...memory.capture import Recorder
+from .. import critic_free, ppo
+from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
+from ..models import get_pair
+from ..scenario import DEFAULT_GROUP_SIZE, Scenario
+from .builders import CPU_DTYPE, STRATEGY_PLUGINS, boost_models, module_tensors
 
 
 def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
     """One ReMax or GRPO iteration under ``rec``; returns the loss and settings (``critic_built`` False)."""
-
     pair = get_pair(scenario.models)
     kind, grad_ckpt = STRATEGY_PLUGINS[scenario.strategy]
     gemini = kind.startswith("gemini")
-    dtype = resolve_dtype(scenario, device, cpu_default=CPU_DTYPE)  # as PPO's (colossalchat.py)
+    dtype = resolve_dtype(scenario, device, cpu_default=CPU_DTYPE)  # as PPO's
     grpo = scenario.algorithm == "grpo"
     group = scenario.get("group_size", DEFAULT_GROUP_SIZE) if grpo else 1
     prompts_n = scenario.get("batch_size", 2)
@@ -92,7 +91,7 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
     if not gemini:
         ref.to("cpu")
         reward.to("cpu")
-        rec.moved_to_host(_tensors(ref, reward))
+        rec.moved_to_host(module_tensors(ref, reward))
     actor.train()
     rec.moved_to_device(experience)
     with rec.phase("train_actor"):

@@ -1,0 +1,145 @@
+"""The DeepSpeed-Chat step-3 recipe's PPO iteration on real DeepSpeed, phase by phase.
+
+Follows microsoft/DeepSpeedExamples ``applications/DeepSpeed-Chat``: ``dschat/rlhf/rlhf_engine.py``
+(engines and their ZeRO stages), ``dschat/utils/ds_utils.py`` (train/eval configs),
+``dschat/utils/model/reward_model.py`` (critic = base model + v_head), ``dschat/utils/module/lora.py``
+(LoRA on every Linear under ``decoder.layers.``; here through peft) and ``dschat/rlhf/ppo_trainer.py``
+(``generate_experience`` and ``train_rlhf``). Facts: ``shared/reference/rlhf-frameworks.md``.
+
+Reads top to bottom: build the four engines (phase ``init``: ``builders.py``), then ``generate``, the four
+inference forwards, and the actor and critic updates. The recorder marks each phase; the flush policy
+empties the cache where it says.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...memory.capture import Recorder
+from .. import ppo
+from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
+from ..models import get_pair
+from ..scenario import Scenario
+from .builders import (
+    create_critic_model, init_actor_and_ref, init_reward, lora_critic, make_optimizer, offloaded_tensors,
+    optimizer_state_summary,
+)
+from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config
+
+
+def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
+    """Build the four engines and run one PPO iteration under ``rec``; returns losses and settings."""
+    import deepspeed
+
+    pair = get_pair(scenario.models)
+    stage, offload, grad_ckpt = STRATEGY_SETTINGS[scenario.strategy]
+    dtype = resolve_dtype(scenario, device)
+    batch = scenario.get("batch_size", 2)
+    prompt_len = scenario.get("prompt_len", pair.prompt_len)
+    answer_len = scenario.get("answer_len", pair.answer_len)
+    lora_dim = scenario.get("lora_dim", pair.lora_dim)
+    lora_only = scenario.strategy == "lora"  # LoRA-PPO: LoRA on actor and critic, nothing else trains
+    only_lora = scenario.get("only_optimize_lora", False) or lora_only
+    buckets = pair.bucket_elements
+    ref_stage = 3 if stage == 3 else 0  # rlhf_engine.py: reference follows the actor's stage 3
+    reward_stage = 3 if stage == 3 else 0  # reward follows the critic's stage 3
+    train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets)
+    eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets)
+    torch.manual_seed(scenario.get("seed", 1234) + rank)
+    hooks = FaultHooks(scenario, rank)
+
+    with rec.phase("init"):
+        actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
+                                                      lora_dim, only_lora)
+        # critic (_init_critic): gradient checkpointing from the start
+        critic = create_critic_model(pair.critic, train_cfg, scenario.get("critic_path"), dtype)
+        if lora_only:
+            lora_critic(critic, pair, lora_dim)
+        if grad_ckpt:
+            critic.gradient_checkpointing_enable()
+        critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=make_optimizer(critic, offload, device),
+                                                 config=train_cfg)
+        rec.host_resident(offloaded_tensors(critic_engine, offload))
+        reward_engine = init_reward(scenario, pair, rec,
+                                    get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets),
+                                    dtype)
+        hooks.at("init")
+
+    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # left-padded
+
+    # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
+    actor_engine.eval()
+    with rec.phase("generate"):
+        with torch.no_grad():
+            seq = actor_engine.module.generate(
+                prompts, attention_mask=prompt_mask, max_new_tokens=answer_len, min_new_tokens=answer_len,
+                do_sample=True, pad_token_id=pad_id, synced_gpus=stage == 3, use_cache=True)
+        hooks.at("generate")
+    maybe_flush(scenario, rec, "generate")
+    attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
+                                                        device=device)], dim=1)
+    with torch.no_grad():
+        with rec.phase("infer_actor"):
+            output = actor_engine(seq, attention_mask=attention_mask)
+            hooks.at("infer_actor")
+        maybe_flush(scenario, rec, "infer_actor")
+        with rec.phase("infer_reference"):
+            output_ref = ref_engine(seq, attention_mask=attention_mask)
+            hooks.at("infer_reference")
+        maybe_flush(scenario, rec, "infer_reference")
+        with rec.phase("infer_reward"):
+            reward_score = reward_engine.module.forward_value(seq, attention_mask,
+                                                              prompt_length=prompt_len)["chosen_end_scores"]
+            hooks.at("infer_reward")
+        maybe_flush(scenario, rec, "infer_reward")
+        with rec.phase("infer_critic"):
+            values = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+            log_probs = ppo.gather_log_probs(output.logits[:, :-1, :], seq[:, 1:])
+            ref_log_probs = ppo.gather_log_probs(output_ref.logits[:, :-1, :], seq[:, 1:])
+            del output, output_ref
+            hooks.at("infer_critic")
+        maybe_flush(scenario, rec, "infer_critic")
+
+    # ---- train_rlhf (ppo_trainer.py) ----------------------------------------------------------
+    actor_engine.train()
+    critic_engine.train()
+    if grad_ckpt:
+        actor_engine.module.gradient_checkpointing_enable()  # only for the update, as DeepSpeed-Chat
+    start = prompt_len - 1
+    action_mask = attention_mask[:, 1:]
+    with rec.phase("train_actor"):
+        with torch.no_grad():
+            old_rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
+            advantages, returns = ppo.get_advantages_and_returns(values, old_rewards, start)
+        actor_logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits
+        actor_log_prob = ppo.gather_log_probs(actor_logits[:, :-1, :], seq[:, 1:])
+        actor_loss = ppo.actor_loss_fn(actor_log_prob[:, start:], log_probs[:, start:], advantages,
+                                       action_mask[:, start:])
+        actor_engine.backward(actor_loss)
+        actor_engine.step()
+        del actor_logits, actor_log_prob
+        rec.host_resident(offloaded_tensors(actor_engine, offload))  # optimizer states appear at step 1
+        hooks.at("train_actor")
+    maybe_flush(scenario, rec, "train_actor")
+    with rec.phase("train_critic"):
+        value = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+        critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
+        critic_engine.backward(critic_loss)
+        critic_engine.step()
+        del value
+        rec.host_resident(offloaded_tensors(critic_engine, offload))
+        hooks.at("train_critic")
+    maybe_flush(scenario, rec, "train_critic")
+    if grad_ckpt:
+        actor_engine.module.gradient_checkpointing_disable()
+    states = {"actor": optimizer_state_summary(actor_engine), "critic": optimizer_state_summary(critic_engine)}
+    return {
+        "algorithm": "ppo", "optimizer_states": states,
+        "actor_loss": float(actor_loss.detach().float()),
+        "critic_loss": float(critic_loss.detach().float()),
+        "dtype": str(dtype).replace("torch.", ""),
+        "zero_stage": stage, "reference_stage": ref_stage, "reward_stage": reward_stage,
+        "offload": offload, "gradient_checkpointing": grad_ckpt, "lora_dim": lora_dim,
+        "batch_size": batch, "prompt_len": prompt_len, "answer_len": answer_len,
+        "bucket_elements": buckets, "sequence_shape": list(seq.shape),
+    }

@@ -1,4 +1,4 @@
-"""Replay a :class:`~.trace.Trace` through :class:`~.allocator.CachingAllocatorModel`.
+"""Replay a :class:`~.events.Trace` through :class:`~.allocator.CachingAllocatorModel`.
 
 Two modes:
 

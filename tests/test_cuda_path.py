@@ -28,7 +28,7 @@ def test_phase_marks_merge_into_the_recorded_trace_by_time():
 
 
 def test_cuda_rank_result_uses_the_real_allocator_figures():
-    from pytest_rlhfmem.rlhf.worker import rank_result
+    from pytest_rlhfmem.capture import rank_result
 
     snap = load_snapshot(shared_snapshot("cs336_ctx256_fwd"))
     trace = cuda_trace_with_marks(snap, _marks(snap))

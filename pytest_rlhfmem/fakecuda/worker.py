@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..rlhf.scenario import Scenario
-    from ..rlhf.worker import rank_result
+    from ..capture import rank_result
     from . import standins
     from .recorder import FakeCudaRecorder
 

@@ -5,8 +5,8 @@ Started by ``launch.py`` through torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RAN
     python -m torch.distributed.run --standalone --nproc-per-node N -m pytest_rlhfmem.rlhf.worker \
         --scenario '{...}' --out-dir DIR --device cpu
 
-Files it writes in ``--out-dir`` (through ``command/rank.py``, the capture path ``rlhfmem capture`` uses
-too): ``progress-rank<R>.json`` at each phase start (pid, phase, host RSS: what a hung rank leaves
+Files it writes in ``--out-dir`` (through ``pytest_rlhfmem/capture.py``, the per-rank capture ``rlhfmem capture``
+uses too): ``progress-rank<R>.json`` at each phase start (pid, phase, host RSS: what a hung rank leaves
 behind) and ``result-rank<R>.json`` at the end (also on a failure, with the phase, the error and the
 memory figures up to it).
 """
@@ -16,83 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 from pathlib import Path
-
-RESULT_SCHEMA = 1
-
-
-def versions() -> dict:
-    """Versions of the packages that decide the allocation sequence."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "deepspeed", "transformers", "peft", "colossalai", "pytest-rlhfmem"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
-    return out
-
-
-def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, recipe_info: dict | None,
-                error: dict | None, threads: int, wall_s: float) -> dict:
-    """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
-    memory_stats) and assemble this rank's result."""
-    from ..memory.replay import ANCHORED, FREE_RUNNING, replay
-    from ..memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
-
-    is_cuda = trace.capture == CAPTURE_CUDA
-    result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
-    wall = {p.name: round(p.wall_s, 6) for p in rec.phases}
-    phases = []
-    for w in result.phases:
-        d = w.to_dict()
-        d["wall_s"] = wall.get(w.phase, 0.0)
-        cuda = next((p.cuda_stats for p in rec.phases if p.name == w.phase and p.cuda_stats), None)
-        if cuda:  # the real allocator's own figures win over anything derived
-            d.update({k: v for k, v in cuda.items() if k != "inactive_split_bytes"})
-        phases.append(d)
-    total = result.total.to_dict()
-    if is_cuda and phases:
-        for k in ("peak_reserved", "peak_allocated"):
-            total[k] = max(total[k], *(p[k] for p in phases))
-    coll = result.collector
-    series = coll.series.downsample() if coll.series is not None else None
-    if series is not None:
-        series["phase_starts"] = coll.phase_starts()
-    return {
-        "schema": RESULT_SCHEMA,
-        "scenario": scenario.to_dict(),
-        "scenario_id": scenario.id,
-        "rank": rank,
-        "world_size": world_size,
-        "device": device,
-        "capture": trace.capture,
-        "capture_backend": rec.backend,
-        # what the capture emulated (a Recorder's CUDA emulation; other recorders describe themselves or nothing)
-        "capture_description": rec.capture_description() if hasattr(rec, "capture_description") else {},
-        "cuda_emulation_report": report.to_dict() if (report := getattr(rec, "emulation_report", None)) else None,
-        "simulated": trace.capture in SIMULATED_CAPTURES,
-        "status": "failed" if error else "ok",
-        "error": error,
-        "versions": versions(),
-        "threads": threads,
-        "wall_s": round(wall_s, 6),
-        "total": total,
-        "phases": phases,
-        "peak_phase": result.peak_phase,
-        "final_requested": result.final_requested,
-        "flushes": result.flushes,
-        "cuda_frees_outside_flushes": result.cuda_frees_outside_flushes,
-        "requested_at_phase_end": result.requested_at_phase_end,
-        "events": sum(1 for e in trace.events if e.action in ("alloc", "free")),
-        "host_bytes_annotated": rec.host_bytes_annotated,
-        "frees_on_other_threads": dict(zip(("count", "bytes", "largest"), rec.frees_on_other_threads)),
-        "recipe": recipe_info or {},
-        "series": series,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..command.rank import RankCapture
+    from ..capture import RankCapture
     from ..hostcpu import answer_deepspeed_dtype_checks, force_fp16_answer
     from .scenario import Scenario
 

@@ -1,6 +1,7 @@
 """``rlhfmem``: replay snapshots, run one PPO iteration, diff results, plot Figure 1.
 
-Argument and input errors print one line ``rlhfmem: error: ...`` and exit 2; never a traceback.
+Argument and input errors print one line ``rlhfmem: error: ...`` and exit 2; never a traceback. A reader that
+closes the pipe early (``rlhfmem diff A B | head``) ends the command quietly with status 141.
 """
 
 from __future__ import annotations
@@ -180,6 +181,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `rlhfmem diff ... | head`: the reader left; say nothing more, as cat would
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer the pipe killed
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again (Python's documented
+    recipe for SIGPIPE, ``signal`` module docs: "Note on SIGPIPE")."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

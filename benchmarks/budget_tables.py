@@ -1,0 +1,88 @@
+"""Markdown tables generated from the committed budgets, so the README and docs never restate a figure by hand.
+
+    python benchmarks/budget_tables.py cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
+    python benchmarks/budget_tables.py methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
+
+Each block a document shows is fenced by ``<!-- generated: python benchmarks/budget_tables.py NAME -->`` and
+``<!-- end generated -->``; tests/test_generated_tables.py reruns the command and fails when a block differs
+from what it prints (after a budget update: rerun the command and paste its output). Figures are those of the
+budget files: simulated device figures (CPU trace through the allocator model) and measured host figures.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from pytest_rlhfmem.units import format_size, parse_size
+
+BASELINES = Path(__file__).resolve().parent.parent / "baselines" / "cpu"
+STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all")
+
+
+def _entries(name: str) -> dict[str, dict]:
+    return yaml.safe_load((BASELINES / name).read_text())["entries"]
+
+
+def _m(entry: dict, metric: str) -> int:
+    v = entry["metrics"][metric]
+    return parse_size(v) if isinstance(v, str) else int(v)
+
+
+def cpu_matrix() -> list[str]:
+    """One row per strategy: flush none's peak reserved / allocated / fragmentation / peak phase / cudaMalloc,
+    then the after-inference flush's reserved and fragmentation (tiny OPT, 2 ranks)."""
+    e = _entries("deepspeed_chat_cpu.yaml")
+    rows = ["| strategy | peak reserved | peak allocated | fragmentation at peak | peak phase | cudaMalloc | "
+            "reserved, flush after inference | frag., flush |", "|---|---|---|---|---|---|---|---|"]
+    for s in STRATEGIES:
+        a, f = e[f"deepspeed-chat/tiny-opt/{s}/flush-none/x2"], e[f"deepspeed-chat/tiny-opt/{s}/flush-after-inference/x2"]
+        rows.append(f"| {s} | {format_size(_m(a, 'peak_reserved'))} | {format_size(_m(a, 'peak_allocated'))} | "
+                    f"{format_size(_m(a, 'fragmentation_at_peak'))} | {a['peak_phase']} | {_m(a, 'cuda_malloc_count')} | "
+                    f"{format_size(_m(f, 'peak_reserved'))} | {format_size(_m(f, 'fragmentation_at_peak'))} |")
+    return rows
+
+
+def methods() -> list[str]:
+    """PPO's strategies (deepspeed_chat_cpu.yaml) and the methods (methods_cpu.yaml), flush none, each device
+    figure relative to PPO ``none``; host figures measured (anonymous growth, offload buffers)."""
+    ppo, meth = _entries("deepspeed_chat_cpu.yaml"), _entries("methods_cpu.yaml")
+    cells = [("PPO `none`", ppo["deepspeed-chat/tiny-opt/none/flush-none/x2"]),
+             ("PPO `zero2`", ppo["deepspeed-chat/tiny-opt/zero2/flush-none/x2"]),
+             ("`zero2-offload` (ZeRO-Offload)", meth["deepspeed-chat/tiny-opt/zero2-offload/flush-none/x2"]),
+             ("PPO `zero3`", ppo["deepspeed-chat/tiny-opt/zero3/flush-none/x2"]),
+             ("PPO `zero3-offload`", ppo["deepspeed-chat/tiny-opt/zero3-offload/flush-none/x2"]),
+             ("`lora` (LoRA-PPO)", meth["deepspeed-chat/tiny-opt/lora/flush-none/x2"]),
+             ("`hydra` (Hydra-PPO)", meth["deepspeed-chat/tiny-opt/hydra/flush-none/x2"]),
+             ("`none` + ReMax", meth["deepspeed-chat/tiny-opt/none/remax/flush-none/x2"]),
+             ("`none` + GRPO, group of 2", meth["deepspeed-chat/tiny-opt/none/grpo/flush-none/x2/group_size=2"])]
+    base = cells[0][1]
+
+    def cell(entry: dict, metric: str) -> str:
+        v, b = _m(entry, metric), _m(base, metric)
+        return format_size(v) + ("" if entry is base else f" ({100.0 * (v - b) / b:+.0f}%)")
+
+    rows = ["| scenario | device peak reserved (sim.) | device peak allocated (sim.) | fragmentation at peak (sim.) | "
+            "host anonymous growth (meas.) | host offload buffers (meas.) |", "|---|---|---|---|---|---|"]
+    for label, e in cells:
+        rows.append(f"| {label} | {cell(e, 'peak_reserved')} | {cell(e, 'peak_allocated')} | "
+                    f"{format_size(_m(e, 'fragmentation_at_peak'))} | {cell(e, 'host_anon_growth')} | "
+                    f"{format_size(_m(e, 'host_pinned_peak'))} |")
+    return rows
+
+
+TABLES = {"cpu-matrix": cpu_matrix, "methods": methods}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in TABLES:
+        print(f"usage: python benchmarks/budget_tables.py {{{','.join(TABLES)}}}", file=sys.stderr)
+        return 2
+    print("\n".join(TABLES[argv[0]]()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

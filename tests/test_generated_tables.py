@@ -1,0 +1,28 @@
+"""Every table the README and docs restate from committed budgets is generated: a block fenced by
+``<!-- generated: COMMAND -->`` ... ``<!-- end generated -->`` must be exactly what COMMAND prints now
+(benchmarks/budget_tables.py). After a budget update, rerun the command and paste its output."""
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FENCE = re.compile(r"<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)\n<!-- end generated -->", re.S)
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+BLOCKS = [(doc, m["cmd"], m["body"]) for doc in DOCS for m in FENCE.finditer(doc.read_text())]
+
+
+def test_the_readme_and_docs_have_generated_tables():
+    assert {doc.name for doc, _, _ in BLOCKS} >= {"README.md", "methods.md"}
+
+
+@pytest.mark.parametrize(("doc", "cmd", "body"), BLOCKS, ids=[f"{d.name}:{c.split()[-1]}" for d, c, _ in BLOCKS])
+def test_a_generated_table_is_what_its_command_prints(doc, cmd, body):
+    argv = shlex.split(cmd)
+    assert argv[0] == "python", f"{doc.name}: a generated block's command starts with python: {cmd!r}"
+    out = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert body == out.rstrip("\n"), f"{doc.name}: the table under '{cmd}' is stale; rerun it and paste its output"

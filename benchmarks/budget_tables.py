@@ -38,10 +38,12 @@ def cpu_matrix() -> list[str]:
     rows = ["| strategy | peak reserved | peak allocated | fragmentation at peak | peak phase | cudaMalloc | "
             "reserved, flush after inference | frag., flush |", "|---|---|---|---|---|---|---|---|"]
     for s in STRATEGIES:
-        a, f = e[f"deepspeed-chat/tiny-opt/{s}/flush-none/x2"], e[f"deepspeed-chat/tiny-opt/{s}/flush-after-inference/x2"]
+        a = e[f"deepspeed-chat/tiny-opt/{s}/flush-none/x2"]
+        f = e[f"deepspeed-chat/tiny-opt/{s}/flush-after-inference/x2"]
         rows.append(f"| {s} | {format_size(_m(a, 'peak_reserved'))} | {format_size(_m(a, 'peak_allocated'))} | "
-                    f"{format_size(_m(a, 'fragmentation_at_peak'))} | {a['peak_phase']} | {_m(a, 'cuda_malloc_count')} | "
-                    f"{format_size(_m(f, 'peak_reserved'))} | {format_size(_m(f, 'fragmentation_at_peak'))} |")
+                    f"{format_size(_m(a, 'fragmentation_at_peak'))} | {a['peak_phase']} | "
+                    f"{_m(a, 'cuda_malloc_count')} | {format_size(_m(f, 'peak_reserved'))} | "
+                    f"{format_size(_m(f, 'fragmentation_at_peak'))} |")
     return rows
 
 

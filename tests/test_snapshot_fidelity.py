@@ -157,7 +157,12 @@ def test_blocks_without_address_get_them_from_the_segment():
 def test_snapshots_without_segment_events_replay(name):
     trace, rec, result = _anchored(name)
     assert not trace.has_segment_events()
-    assert result.final_reserved >= result.final_allocated > 0
+    # the recorded end state, exactly: the segments the snapshot holds and the bytes still allocated in them
+    snap = load_snapshot(shared_snapshot(name))
+    assert result.final_reserved == rec.final_reserved == sum(s["total_size"] for s in snap["segments"])
+    assert result.final_allocated == rec.final_allocated == sum(
+        b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+    assert result.final_allocated > 0 and result.unmatched_frees == 0
 
 
 MiB = 1 << 20

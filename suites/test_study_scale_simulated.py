@@ -19,6 +19,17 @@ from pytest_rlhfmem.fakecuda.run import run_fake_cuda
 from pytest_rlhfmem.rlhf.scenario import Scenario
 
 STRATEGIES = ("none", "zero2", "zero3", "zero3-offload", "all")
+# The route is deterministic: the figures the README's "The study's scale without a GPU" table gives (GiB to one
+# decimal: each figure must round to it). strategy -> flush -> (peak reserved, fragmentation at peak, peak
+# allocated, peak phase); the flush runs' allocated figure is not tabulated (None).
+GiB = 2**30
+PINNED = {
+    "none": {"none": (17.9, 3.2, 16.0, "train_actor"), "after-inference": (19.5, 3.9, None, "train_critic")},
+    "zero2": {"none": (14.8, 5.0, 12.2, "train_critic"), "after-inference": (14.9, 5.1, None, "train_critic")},
+    "zero3": {"none": (14.5, 8.9, 10.5, "train_critic"), "after-inference": (14.2, 8.7, None, "train_critic")},
+    "zero3-offload": {"none": (11.1, 8.5, 8.2, "train_critic"), "after-inference": (11.2, 8.6, None, "train_critic")},
+    "all": {"none": (5.5, 2.9, 2.8, "train_critic"), "after-inference": (5.2, 2.6, None, "train_critic")},
+}
 _cache: dict[str, dict] = {}
 
 
@@ -57,6 +68,11 @@ def test_study_scale_iteration_runs(strategy, flush, work_dir, record_property):
     assert r["adjustments"]["cublas_workspace"]["count"] >= 2
     # the recipe's offload annotations name host tensors: none of them may be a device tensor
     assert r["placement"]["annotated_host_bytes_on_cuda"] == 0
+    reserved, frag, allocated, phase = PINNED[strategy][flush]
+    t = r["total"]
+    got = (round(t["peak_reserved"] / GiB, 1), round(t["fragmentation_at_peak"] / GiB, 1),
+           round(t["peak_allocated"] / GiB, 1) if allocated is not None else None, r["peak_phase"])
+    assert got == (reserved, frag, allocated, phase), f"{strategy}/{flush}: the README's table says otherwise"
     record_property("peak_reserved", r["total"]["peak_reserved"])
     record_property("peak_allocated", r["total"]["peak_allocated"])
     record_property("peak_phase", r["peak_phase"])

@@ -64,6 +64,9 @@ OPTIONS = (
             "median with their spread (memory figures from the first round)", "int", 1),
     _Option("--rlhfmem-advise", "rlhfmem_advise", "for a scenario over its budget, add rlhfmem advise's "
             "recommendation (from the run's own trace) to the failure message and the report", "bool", False),
+    _Option("--rlhfmem-keep-work", "rlhfmem_keep_work", "keep each run's work directory (ranks' files, launcher "
+            "log, traces); by default it is removed at the session's end once its traces are stored beside "
+            "--rlhfmem-json, and kept, its path printed, when the run failed", "bool", False),
 )
 
 
@@ -141,6 +144,8 @@ class RlhfmemSession:
         self.deselected = False
         self.unfinished_modules: set[str] = set()
         self._devices: list[CudaDevice] | None = None
+        self.work_dirs: dict[str, bool] = {}  # each run's work directory -> whether the run succeeded
+        self.kept_work: list[str] = []
 
     # -- hardware ---------------------------------------------------------------------------------
     @property
@@ -185,6 +190,40 @@ class RlhfmemSession:
         if why:
             pytest.fail(f"--gpu-marker=require: this gpu test cannot run: {why}", pytrace=False)
 
+    # -- budget files checked before anything runs ------------------------------------------------
+    def start_profiles(self) -> list[str]:
+        """The profiles this session's budgets can be under, before any result says: ``--rlhfmem-profile``,
+        else ``cpu`` (simulated figures) and, with CUDA devices here and a device that may use them, theirs."""
+        p = _opt(self.config, "rlhfmem_profile")
+        if p:
+            return [p]
+        out = ["cpu"]
+        if _opt(self.config, "rlhfmem_device") != "cpu" and self.devices:
+            out.append(profile_name(self.devices))
+        return out
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Every budget file the collected tests' ``memory_budget`` reads by default is loaded now, before
+        the first iteration: a malformed one ends the session at once with one line (a usage error)."""
+        if self.is_xdist_worker:
+            return
+        files = set()
+        for item in session.items:
+            if "memory_budget" in getattr(item, "fixturenames", ()):
+                mod = Path(str(item.path)).stem
+                suite = mod[5:] if mod.startswith("test_") else mod
+                files |= {self.baselines_dir() / prof / f"{suite}.yaml" for prof in self.start_profiles()}
+        for f in sorted(files):
+            if not f.is_file():
+                continue
+            try:
+                B.load_budget_file(f)
+            except B.BudgetError as exc:
+                bad = str(exc)
+            else:
+                continue
+            raise pytest.UsageError(f"malformed baseline file: {bad}")  # outside except: nothing chained
+
     # -- stale-entry bookkeeping ------------------------------------------------------------------
     def pytest_deselected(self, items: list) -> None:
         if items:
@@ -213,6 +252,30 @@ class RlhfmemSession:
         self.pending.setdefault(str(file), {})[entry_id] = entry
         self.profiles[str(file)] = profile
 
+    def note_work(self, work: Path, data: dict | None) -> None:
+        """A run's work directory (``data`` its result, ``None`` when it measured nothing): removed at the
+        session's end unless the run failed or ``--rlhfmem-keep-work``."""
+        self.work_dirs[str(work)] = bool(data) and data.get("status") == "ok"
+
+    def finish_work(self) -> list[str]:
+        """Remove the session's work directories (after their traces are stored); return the kept ones."""
+        import shutil
+
+        keep = _opt(self.config, "rlhfmem_keep_work")
+        kept = []
+        for d, ok in sorted(self.work_dirs.items()):
+            if not Path(d).is_dir():
+                continue
+            if (ok and not keep) or not any(Path(d).iterdir()):  # an empty one: the run never started
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                kept.append(d)
+        for parent in {Path(d).parent for d in self.work_dirs}:  # pytest's "<name>current" links to them
+            for link in parent.glob("rlhfmem-*current"):
+                if link.is_symlink() and not link.exists():
+                    link.unlink()
+        return kept
+
     def note_produced(self, file: Path, entry_id: str, nodeid: str) -> None:
         self.produced.setdefault(str(file), set()).add(entry_id)
         self.file_modules.setdefault(str(file), set()).add(nodeid.split("::")[0])
@@ -222,7 +285,8 @@ class RlhfmemSession:
         return {"results": self.results, "pending": self.pending, "profiles": self.profiles,
                 "produced": {k: sorted(v) for k, v in self.produced.items()},
                 "file_modules": {k: sorted(v) for k, v in self.file_modules.items()},
-                "deselected": self.deselected, "unfinished": sorted(self.unfinished_modules)}
+                "deselected": self.deselected, "unfinished": sorted(self.unfinished_modules),
+                "work_dirs": self.work_dirs}
 
     def merge_state(self, s: dict) -> None:
         self.results.extend(s["results"])
@@ -235,6 +299,7 @@ class RlhfmemSession:
             self.file_modules.setdefault(f, set()).update(mods)
         self.deselected |= s["deselected"]
         self.unfinished_modules.update(s["unfinished"])
+        self.work_dirs.update(s["work_dirs"])
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node, error) -> None:  # noqa: ANN001 - xdist controller hook
@@ -254,15 +319,15 @@ class RlhfmemSession:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
         out = _opt(self.config, "rlhfmem_json")
         if out:
-            from .memory.trace_io import store_beside
+            from .memory.trace_io import write_result_json
 
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            store_beside(self.results, out)  # each rank's trace beside the JSON, for rlhfmem advise
-            Path(out).write_text(json.dumps(self.session_json(), indent=1))
+            # each rank's trace beside the JSON, for rlhfmem advise
+            write_result_json(out, self.session_json(), self.results)
         from . import report
 
         report.write_session_outputs(self, _opt(self.config, "rlhfmem_report"),
                                      _opt(self.config, "rlhfmem_benchmark_json"))
+        self.kept_work = self.finish_work()
 
     def session_json(self) -> dict:
         return {"schema": 1, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -288,7 +353,11 @@ class RlhfmemSession:
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:  # noqa: ANN001
-        if self.is_xdist_worker or not (self.results or self.update_summaries):
+        if self.is_xdist_worker:
+            return
+        for d in self.kept_work:
+            terminalreporter.write_line(f"rlhfmem: work directory kept: {d}")
+        if not (self.results or self.update_summaries):
             return
         tr = terminalreporter
         tr.section("rlhfmem: memory per scenario")
@@ -389,10 +458,13 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
         def once(snapshots: str | None) -> dict:
-            return run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
+            work = tmp_path_factory.mktemp("rlhfmem-run")
+            rlhfmem_session.note_work(work, None)
+            data = run_scenario(scenario, device=device or _opt(request.config, "rlhfmem_device"),
                                 timeout=_opt(request.config, "rlhfmem_timeout"), snapshot_dir=snapshots,
-                                work_dir=tmp_path_factory.mktemp("rlhfmem-run"),
-                                cuda_emulation=_opt(request.config, "rlhfmem_cuda_emulation"))
+                                work_dir=work, cuda_emulation=_opt(request.config, "rlhfmem_cuda_emulation"))
+            rlhfmem_session.note_work(work, data)
+            return data
 
         try:
             data = once(_opt(request.config, "rlhfmem_snapshots"))
@@ -429,6 +501,7 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
             timeout: float | None = None, env: dict | None = None, device: str | None = None,
             cwd: str | Path | None = None) -> IterationResult:
         work = tmp_path_factory.mktemp("rlhfmem-command")
+        rlhfmem_session.note_work(work, None)
         try:
             data = run_command(cmd, id, world_size=world_size,
                                device=device or _opt(request.config, "rlhfmem_device"),
@@ -439,6 +512,7 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
             bad = str(exc)
         else:
             bad = None
+            rlhfmem_session.note_work(work, data)
         if bad:  # outside the except block: one message, no chained traceback
             pytest.fail(f"rlhfmem_command({id!r}): {bad}", pytrace=False)
         result = IterationResult(data)
@@ -485,8 +559,10 @@ class MemoryBudget:
         try:
             bf = B.load_budget_file(path)
         except B.BudgetError as exc:
-            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "error", detail=str(exc)))
-            pytest.fail(f"malformed baseline file: {exc}", pytrace=False)
+            bad, bf = str(exc), None
+        if bf is None:  # outside the except block: one message, no chained traceback
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "error", detail=bad))
+            pytest.fail(f"malformed baseline file: {bad}", pytrace=False)
         entry = bf.entries.get(eid)
         if entry is None:
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "missing"))

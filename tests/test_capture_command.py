@@ -83,7 +83,7 @@ def test_three_phase_marks_give_three_phases_each_merged_over_its_repeats(tmp_pa
 
 def test_torchrun_line_with_two_ranks_records_both_and_not_the_agent(tmp_path):
     out = tmp_path / "ppo.json"
-    r = capture("--id", "tiny-ppo", "--device", "cpu", "--json", str(out), "--",
+    r = capture("--id", "tiny-ppo", "--device", "cpu", "--json", str(out), "--keep-work", "--",
                 sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(EXAMPLE))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -96,7 +96,7 @@ def test_torchrun_line_with_two_ranks_records_both_and_not_the_agent(tmp_path):
 
 def test_hugging_face_trainer_runs_unchanged_under_capture(tmp_path):
     out = tmp_path / "hf.json"
-    r = capture("--id", "hf-trainer", "--device", "cpu", "--json", str(out), "--",
+    r = capture("--id", "hf-trainer", "--device", "cpu", "--json", str(out), "--keep-work", "--",
                 str(COMMANDS / "hf_trainer.py"), str(tmp_path / "hf-out"))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
+from ..rlhf.cli_run import add_keep_work_argument
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
 from ..rlhf.scenario import DEVICES
 
@@ -15,7 +14,7 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
         usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda] [--json OUT] "
-              "[--snapshot-dir DIR] [--timeout S] [--id ID] -- COMMAND [ARGS...]")
+              "[--snapshot-dir DIR] [--timeout S] [--id ID] [--keep-work] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
     ws.add_argument("--nproc-per-node", type=int, default=None, help="same as --world-size (one node)")
@@ -27,6 +26,7 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds before every process is killed and the run reported as hung")
     c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key); "
                    "default: the command line")
+    add_keep_work_argument(c)
     c.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
     c.set_defaults(func=_capture)
 
@@ -34,7 +34,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
 def _capture(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from ..results import IterationResult
-    from ..rlhf.cli_run import phase_table
+    from ..memory.trace_io import write_result_json
+    from ..rlhf.cli_run import finish_runs, phase_table
     from .run import CommandError, run_command
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -52,8 +53,8 @@ def _capture(args: argparse.Namespace) -> int:
              if result["simulated"] else "measured: CUDA caching allocator")
     print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise
+    finish_runs([result], args.keep_work)
     if result["status"] != "ok":
         print("FAILED: " + IterationResult(result).describe_failure())
         print(f"command output: {result['log']}")

@@ -140,6 +140,16 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     device = resolve_device(device, n)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, env, cwd)
+    except CommandError:
+        if not work_dir:  # nothing was measured; the message quotes the command's last output line
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002
+            timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None) -> dict:
     t0 = time.perf_counter()
     run_env = _worker_env(device, 1)  # CPU: CUDA hidden, DeepSpeed's CPU accelerator; hubs offline
     if "OMP_NUM_THREADS" not in os.environ:  # the user's thread settings stand (torchrun sets its own)

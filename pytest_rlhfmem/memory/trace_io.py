@@ -234,6 +234,19 @@ def store_beside(results: list[dict], json_path: str | Path) -> None:
             rank["trace_file"] = str(target.relative_to(jp.parent))
 
 
+def write_result_json(json_path: str | Path, payload: dict, results: list[dict]) -> Path:
+    """The one way a result JSON is written (``rlhfmem run --json``, ``rlhfmem capture --json``, the plugin's
+    ``--rlhfmem-json``): each rank's trace of ``results`` stored beside it first (:func:`store_beside`, which
+    points ``trace_file`` at the copies; ``payload`` holds those same result dicts), then ``payload``. The
+    JSON and its ``<stem>-traces/`` directory are self-contained: they can be moved together, and
+    ``rlhfmem advise`` reads them after the run's work directory is gone. Raises ``OSError``."""
+    jp = Path(json_path)
+    jp.parent.mkdir(parents=True, exist_ok=True)
+    store_beside(results, jp)
+    jp.write_text(json.dumps(payload, indent=1))
+    return jp
+
+
 def resolve_trace_path(trace_file: str, json_path: str | Path) -> Path:
     """A result's ``trace_file``: absolute as written by the worker, or relative to the result JSON."""
     p = Path(trace_file)

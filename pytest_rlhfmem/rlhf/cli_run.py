@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from ..memory.host import format_rss
 from ..units import format_size
@@ -32,7 +30,25 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                    help="CPU runs: emulate CUDA's own allocations in the capture (default on; see docs/fidelity.md)")
     r.add_argument("--time-rounds", type=int, default=1, metavar="N",
                    help="run the iteration N times: the time is their median with its spread")
+    add_keep_work_argument(r)
     r.set_defaults(func=_run)
+
+
+def add_keep_work_argument(parser: argparse.ArgumentParser) -> None:
+    """``--keep-work`` of ``rlhfmem run`` and ``rlhfmem capture``."""
+    parser.add_argument("--keep-work", action="store_true",
+                        help="keep the run's work directory (ranks' files, launcher log); by default it is "
+                             "removed after a run that succeeded, and kept, its path printed, after a failure")
+
+
+def finish_runs(results: list[dict], keep: bool) -> None:
+    """Each run's work directory removed (:func:`~.launch.finish_work`); the kept ones printed."""
+    from .launch import finish_work
+
+    for r in results:
+        kept = finish_work(r, keep)
+        if kept:
+            print(f"work directory kept: {kept}")
 
 
 def phase_table(result: dict) -> list[str]:
@@ -74,12 +90,13 @@ def _run(args: argparse.Namespace) -> int:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
         result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir,
                               cuda_emulation=args.cuda_emulation)
+        rounds = [result]
         if args.time_rounds > 1 and result["status"] == "ok":
             from ..timing import with_rounds
 
-            result = with_rounds(result, [run_scenario(scenario, device=args.device, timeout=args.timeout,
-                                                       cuda_emulation=args.cuda_emulation)
-                                          for _ in range(args.time_rounds - 1)])
+            rounds += [run_scenario(scenario, device=args.device, timeout=args.timeout,
+                                    cuda_emulation=args.cuda_emulation) for _ in range(args.time_rounds - 1)]
+            result = with_rounds(result, rounds[1:])
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
@@ -90,11 +107,10 @@ def _run(args: argparse.Namespace) -> int:
           f"anonymous RSS: {host.get('anon_method')}; "
           f"pinned: {host.get('pinned_method')}")
     if args.json_out:
-        from ..memory.trace_io import store_beside
+        from ..memory.trace_io import write_result_json
 
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        store_beside([result], args.json_out)  # each rank's trace, for rlhfmem advise
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise
+    finish_runs(rounds, args.keep_work)
     if result["status"] != "ok":
         from ..results import IterationResult
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -111,6 +112,20 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     returncode, timed_out = run_process_group(cmd, log_path, _worker_env(device, scenario.get("threads", 1)),
                                               timeout, work)
     return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+
+
+def finish_work(result: dict, keep: bool = False) -> Path | None:
+    """After a run's result is used (its JSON and traces written): remove its work directory
+    (``result["work_dir"]``: the ranks' files, the launcher log) unless ``keep``; a failed run's is always
+    kept, its log and the ranks' files say what went wrong. Returns the directory kept (for the caller to
+    print), or ``None`` when it was removed or there was none."""
+    wd = result.get("work_dir")
+    if not wd or not Path(wd).is_dir():
+        return None
+    if keep or result.get("status") != "ok":
+        return Path(wd)
+    shutil.rmtree(wd, ignore_errors=True)
+    return None
 
 
 def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float, work: Path,

@@ -28,6 +28,10 @@ class ReportInputError(ValueError):
     """An input file that is neither a session result, a run result nor a budget file."""
 
 
+class NothingMatched(ReportInputError):
+    """Two sides of a diff without one scenario id in common: nothing was compared."""
+
+
 @dataclass
 class Side:
     """One side of a diff: per scenario its metrics (bytes / counts) and environment."""
@@ -195,12 +199,23 @@ def _time_row(sid: str, b: dict | None, h: dict | None, threshold: float, spread
     return DiffRow(sid, TIME_METRIC, round(fb.seconds, 6), round(fh.seconds, 6), status, note)
 
 
-def diff(base: Side, head: Side, threshold: float = 0.05, spreads: dict | None = None) -> Diff:
+def diff(base: Side, head: Side, threshold: float = 0.05, spreads: dict | None = None,
+         allow_disjoint: bool = False) -> Diff:
     """Compare every budgeted metric of every scenario. A change beyond ``threshold`` (relative) and beyond
     the metric's run-to-run noise (the default budget tolerance's absolute part: 4 MiB for peak reserved,
     2 MiB for peak allocated, 3 for cudaMalloc counts) is a regression (higher) or an improvement (lower);
     a scenario only in head is new, only in base missing. The iteration time (where both sides are results)
-    is one more row whose noise floor is the rounds' or the recorded spread (``spreads``; ``timing.py``)."""
+    is one more row whose noise floor is the rounds' or the recorded spread (``spreads``; ``timing.py``).
+    Raises :class:`NothingMatched` (one line naming both sides' ids) when both sides hold scenarios but no
+    id is on both, unless ``allow_disjoint``: such a diff compared nothing and must not pass."""
+    if base.scenarios and head.scenarios and not set(base.scenarios) & set(head.scenarios) and not allow_disjoint:
+        def ids(side: Side) -> str:
+            names = sorted(side.scenarios)
+            return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+        raise NothingMatched(f"nothing compared: no scenario id is in both {base.label} ({ids(base)}) and "
+                             f"{head.label} ({ids(head)}); give both runs the same id (rlhfmem capture --id, "
+                             "rlhfmem_command(id=...)), or --ignore-flush for flush policies")
     rows: list[DiffRow] = []
     for sid in sorted(set(base.scenarios) | set(head.scenarios)):
         b, h = base.scenarios.get(sid), head.scenarios.get(sid)
@@ -255,6 +270,11 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     lines += [("❌ " if d.regressed else "✅ ") + verdict + f" (threshold {d.threshold * 100:g}%, and beyond "
               "run-to-run noise: the default budget tolerances' absolute parts; for iteration time the spread "
               "of repeated rounds or the recorded spread)", ""]
+    only = {k: sorted({r.scenario for r in d.rows if r.status == k}) for k in ("new", "missing")}
+    if only["new"] or only["missing"]:
+        lines += ["⚠️ **Not compared** (an id on one side only): "
+                  + "; ".join(f"{'only in head (new)' if k == 'new' else 'only in base (missing)'}: "
+                              + ", ".join(f"`{i}`" for i in v) for k, v in only.items() if v), ""]
     lines += [f"Base: `{d.base.label}`  ", f"Head: `{d.head.label}`", ""]
     env = d.environments()
     lines += ["| environment | base | head |", "|---|---|---|"]

@@ -24,8 +24,9 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     c.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds before every process is killed and the run reported as hung")
-    c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key); "
-                   "default: the command line")
+    c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key, what "
+                   "rlhfmem diff pairs); default: the program without its arguments (the script's path or "
+                   "-m's module; /xN for N ranks)")
     add_keep_work_argument(c)
     c.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
     c.set_defaults(func=_capture)
@@ -36,14 +37,17 @@ def _capture(args: argparse.Namespace) -> int:
     from ..results import IterationResult
     from ..memory.trace_io import write_result_json
     from ..rlhf.cli_run import finish_runs, phase_table
-    from .run import CommandError, run_command
+    from .run import CommandError, default_id, plan_command, run_command
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise CliError("no command given: rlhfmem capture [options] -- COMMAND [ARGS...]")
     if args.timeout <= 0:
         raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    ident = args.capture_id or " ".join(cmd)
+    try:
+        ident = args.capture_id or default_id(cmd, plan_command(cmd, args.world_size, args.nproc_per_node)[1])
+    except CommandError as exc:
+        raise CliError(str(exc)) from None
     try:
         result = run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                              device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)

@@ -103,6 +103,55 @@ def _torchrun_nproc(argv: list[str]) -> int | None:
     return nproc * nnodes if nproc is not None else None
 
 
+TORCHRUN_FLAGS = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")  # take no value
+
+
+def default_id(command: Sequence[str] | str, world_size: int = 1) -> str:
+    """The id of a capture given none: what identifies the program, never its arguments (output
+    directories, batch sizes, seeds are scratch or configuration: name configurations with ``--id``).
+
+    The program is the script's path as given (made relative when it lies under the current directory),
+    or ``-m``'s module; the interpreter, torchrun and torchrun's own options are skipped; ``python -c CODE``
+    is ``python-c-`` and 8 hex digits of the code's SHA-1. More than one rank adds ``/x<N>``. So
+    ``train.py out/run1 --batch 4`` and ``python train.py out/run2 --batch 8`` are both ``train.py``, and
+    ``torchrun --nproc-per-node 2 train.py`` is ``train.py/x2``."""
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    i = 0
+    if argv and not argv[0].endswith(".py") and (_is_python(argv[0]) or Path(argv[0]).name == "torchrun"):
+        i = 1
+    program = None
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "--module") and i + 1 < len(argv):
+            if argv[i + 1] in TORCHRUN_MODULES:  # python -m torch.distributed.run: its options follow
+                i += 2
+                continue
+            program = argv[i + 1]
+            break
+        if a == "-c" and i + 1 < len(argv):
+            import hashlib
+
+            program = "python-c-" + hashlib.sha1(argv[i + 1].encode()).hexdigest()[:8]
+            break
+        if a.startswith("-"):  # an interpreter or torchrun option; a separate value follows unless =, a flag
+            i += 1 if ("=" in a or a in TORCHRUN_FLAGS or not a.startswith("--")) else 2
+            continue
+        program = _shown_path(a)
+        break
+    program = program or shlex.join(argv)
+    return program + (f"/x{world_size}" if world_size > 1 else "")
+
+
+def _shown_path(path: str) -> str:
+    p = Path(os.path.normpath(path))
+    if p.is_absolute():
+        try:
+            return str(p.relative_to(Path.cwd()))
+        except ValueError:
+            return str(p)
+    return str(p)
+
+
 @functools.lru_cache(maxsize=1)
 def recorder_library() -> str | None:
     """Build the CPU allocation recorder once (under a file lock; cached in torch's extension directory)

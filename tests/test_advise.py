@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import shared_snapshot
+from helpers import DATA, shared_snapshot
 from pytest_rlhfmem.advise import (
     SCHEMA, AdviseInputError, advise, find_boundaries, policy_boundaries, program_events,
 )
@@ -274,3 +274,22 @@ def test_greedy_search_finds_a_two_flush_set_no_single_flush_reaches(tmp_path):
     assert pair[0]["description"].startswith("flush after generate and infer_actor")
     singles = [c for c in s["candidates"] if len(c.get("flushes_at") or ()) == 1 and c["kind"] != "combination"]
     assert min(c["peak_reserved"] for c in singles) == 66 * MiB  # no single flush reaches the pair's peak
+
+
+def test_an_unmarked_script_gets_no_flush_after_run_and_is_told_to_mark_its_phases(tmp_path):
+    """Issue 20 item 4: a captured script without rlhfmem.phase marks is one window, `run`; a flush after it
+    is after the last event and cannot change anything, so it is no candidate; the report says what marks
+    would enable flush-placement advice."""
+    out = tmp_path / "plain.json"
+    cli = [sys.executable, "-m", "pytest_rlhfmem.cli"]
+    r = subprocess.run([*cli, "capture", "--id", "plain", "--device", "cpu", "--json", str(out), "--",
+                        str(DATA / "commands" / "plain_train.py")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    a = subprocess.run([*cli, "advise", str(out)], capture_output=True, text=True, timeout=600)
+    assert a.returncode == 0, a.stderr
+    assert "flush after run" not in a.stdout and "0 flush boundaries" in a.stdout, a.stdout
+    assert "no phase marks" in a.stdout and 'rlhfmem.phase("generate")' in a.stdout, a.stdout
+    subprocess.run([*cli, "advise", str(out), "--json", str(tmp_path / "a.json")], check=True, timeout=600,
+                   capture_output=True)
+    s = json.loads((tmp_path / "a.json").read_text())["scenarios"][0]
+    assert s["hint"] and not any(c["id"].startswith("flush:") for c in s["candidates"])

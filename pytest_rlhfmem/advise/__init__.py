@@ -34,13 +34,17 @@ from .candidates import (
 )
 from .cli import add_advise_parser
 from .evaluation import Evaluator
-from .inputs import WINDOWS, AdviseInputError, Boundaries, RankInput, ScenarioInput, find_boundaries, load_inputs
+from .inputs import (
+    MARKS_HINT, WINDOWS, AdviseInputError, Boundaries, RankInput, ScenarioInput, find_boundaries, is_unmarked,
+    load_inputs,
+)
 from .ranking import SCHEMA, advise, advise_scenario
 from .rendering import markdown, one_line, text_lines
 
 __all__ = [
-    "DEFAULT_MAX_FLUSHES", "GC_THRESHOLDS", "INFERENCE_PHASES", "RECORDED_FLUSH", "ROUNDUP_DIVISIONS", "SCHEMA",
-    "STUDY_POLICIES", "TRAINING_PHASES", "WINDOWS", "AdviseInputError", "Boundaries", "Evaluator", "RankInput",
-    "ScenarioInput", "Spec", "add_advise_parser", "advise", "advise_scenario", "check_settings", "find_boundaries",
-    "flush_cost", "load_inputs", "markdown", "one_line", "policy_boundaries", "program_events", "text_lines",
+    "DEFAULT_MAX_FLUSHES", "GC_THRESHOLDS", "INFERENCE_PHASES", "MARKS_HINT", "RECORDED_FLUSH", "ROUNDUP_DIVISIONS",
+    "SCHEMA", "STUDY_POLICIES", "TRAINING_PHASES", "WINDOWS", "AdviseInputError", "Boundaries", "Evaluator",
+    "RankInput", "ScenarioInput", "Spec", "add_advise_parser", "advise", "advise_scenario", "check_settings",
+    "find_boundaries", "flush_cost", "is_unmarked", "load_inputs", "markdown", "one_line", "policy_boundaries",
+    "program_events", "text_lines",
 ]

@@ -9,7 +9,9 @@ both as columns for the compiled replay core.
 Boundaries are where a flush can go: after each phase's code (the ``phase_end`` mark the recorder writes,
 exactly where the recipes' ``maybe_flush`` calls ``empty_cache``); in a trace without phase ends (older
 results), at the next phase's start; in a trace without phases (a user's snapshot), at the moment of
-least live memory in each of 8 equal slices of the trace (where a flush can release the most).
+least live memory in each of 8 equal slices of the trace (where a flush can release the most). A flush
+after the last event cannot change anything, so it is never a boundary: a capture of a script that marks
+no phases (one window, ``run``) has no flush boundary at all (``MARKS_HINT`` says what to add).
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from ..memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 from ..memory.trace_io import TraceFileError, load_trace, resolve_trace_path
 
 WINDOWS = 8  # boundaries of a trace without phases
+
+
+MARKS_HINT = ("no phase marks: the whole program is one window (run), so no flush placement can be advised; "
+              "mark its phases (import pytest_rlhfmem as rlhfmem; with rlhfmem.phase(\"generate\"): ...) and "
+              "capture again to get flush-placement advice")
+
+
+def is_unmarked(b: Boundaries) -> bool:
+    """Whether a rank's trace marks no phase of its own (at most one phase, no phase ends)."""
+    return b.kind != "phase-end" and len(b.phase_starts) <= 1
 
 
 class AdviseInputError(ValueError):
@@ -59,7 +71,8 @@ def find_boundaries(events: list[Event]) -> Boundaries:
         return Boundaries(positions, "phase-end", phase_starts)
     if starts:
         for k, (_i, name) in enumerate(starts):
-            put(name, starts[k + 1][0] if k + 1 < len(starts) else len(events))
+            if k + 1 < len(starts):  # after the last phase is after the last event: a flush there changes nothing
+                put(name, starts[k + 1][0])
         return Boundaries(positions, "phase-start", phase_starts)
     # No phases: the least-live-memory moment in each of WINDOWS equal slices.
     n = len(events)

@@ -33,7 +33,7 @@ from .candidates import (
     setting_families,
 )
 from .evaluation import Evaluator
-from .inputs import ScenarioInput, load_inputs
+from .inputs import MARKS_HINT, ScenarioInput, is_unmarked, load_inputs
 
 SCHEMA = "rlhfmem-advise/1"
 _KIND_ORDER = {"flush": 0, "flush-set": 1, "setting": 2, "combination": 3, "policy": 4, "recorded": 5}
@@ -175,6 +175,7 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
         "events": [len(ri.program) for ri in si.ranks],
         "boundaries": names,
         "boundary_kind": si.ranks[0].boundaries.kind,
+        "hint": MARKS_HINT if all(is_unmarked(ri.boundaries) for ri in si.ranks) else None,
         "baseline": rows_by_id["none"],  # (the rows below are the same dicts as in candidates)
         "as_recorded": rows_by_id.get("as-recorded"),
         "policies": policies,

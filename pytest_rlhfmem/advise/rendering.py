@@ -34,6 +34,8 @@ def text_lines(doc: dict, top: int = 8) -> list[str]:
             "CUDA trace replayed through the allocator model (free-running)"
         lines.append(f"{s['scenario_id']}: {s['ranks']} rank(s), {sum(s['events'])} events, "
                      f"{len(s['boundaries'])} flush boundaries ({s['boundary_kind']}); {label}")
+        if s.get("hint"):
+            lines.append(f"  {s['hint']}")
         header = ("#", "candidate", "peak reserved", "vs none", "frag. at peak", "peak phase",
                   "cudaMalloc / cudaFree", "re-acquired", "time")
         rows = [header]
@@ -81,6 +83,8 @@ def markdown(doc: dict, top: int = 8) -> str:
                 ("_simulated: a CPU allocation trace replayed through the CUDA caching allocator model_"
                  if s["simulated"] else "_a CUDA trace replayed through the allocator model (free-running)_"), "",
                 f"**Recommendation:** {s['recommendation']['text']}", ""]
+        if s.get("hint"):
+            out += [f"_{s['hint']}_", ""]
         if s["budget"]:
             out += [f"**Budget:** {s['budget']['text']}", ""]
         out += ["| # | candidate | peak reserved | vs none | fragmentation at peak | peak phase | cudaMalloc / "
@@ -111,6 +115,6 @@ def one_line(result: dict, budget: int | None = None) -> str:
         s = doc["scenarios"][0]
         if s["budget"]:
             return f"rlhfmem advise: {s['budget']['text']} (best: {s['recommendation']['text']})"
-        return f"rlhfmem advise: {s['recommendation']['text']}"
+        return f"rlhfmem advise: {s['recommendation']['text']}" + (f" ({s['hint']})" if s.get("hint") else "")
     except (AdviseInputError, OSError, AllocatorConfigError) as exc:
         return f"rlhfmem advise: not available ({exc})"

@@ -5,7 +5,7 @@ figure as saved (matplotlib's own text extents), for 1, 2 and 3 phases and for t
 import matplotlib
 import pytest
 
-from pytest_rlhfmem.plot import axis_unit, plot_results
+from pytest_rlhfmem.plot import plot_results
 
 matplotlib.use("Agg")
 MiB = 2**20
@@ -47,6 +47,8 @@ def boxes(fig, r):
 
 
 def test_the_y_unit_follows_the_data():
+    from pytest_rlhfmem.plot import axis_unit
+
     assert axis_unit(42 * MiB) == ("MiB", float(MiB))
     assert axis_unit(3 * 2**30) == ("GiB", float(2**30))
     assert axis_unit(500 * 1024) == ("KiB", 1024.0)

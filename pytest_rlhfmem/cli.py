@@ -88,7 +88,7 @@ def _diff(args: argparse.Namespace) -> int:
             base, head = without_flush(base), without_flush(head)
         from .timing import load_spreads
 
-        d = diff(base, head, threshold, load_spreads(args.time_spread))
+        d = diff(base, head, threshold, load_spreads(args.time_spread), allow_disjoint=args.allow_disjoint)
     except (ReportInputError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if args.format == "json":
@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--format", choices=("md", "json"), default="md")
     d.add_argument("--threshold", default="5%", help="relative change that counts (default 5%%)")
     d.add_argument("--fail-on-regression", action="store_true", help="exit 1 when anything regressed")
+    d.add_argument("--allow-disjoint", action="store_true",
+                   help="accept two sides with no scenario id in common (every row then new or missing)")
     d.add_argument("--ignore-flush", action="store_true",
                    help="pair scenarios that differ only in flush policy (e.g. flush-none vs flush-after-inference)")
     d.add_argument("--time-spread", default=None, metavar="YAML", help="recorded run-to-run time spreads "

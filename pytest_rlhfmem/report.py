@@ -215,7 +215,8 @@ def diff(base: Side, head: Side, threshold: float = 0.05, spreads: dict | None =
 
         raise NothingMatched(f"nothing compared: no scenario id is in both {base.label} ({ids(base)}) and "
                              f"{head.label} ({ids(head)}); give both runs the same id (rlhfmem capture --id, "
-                             "rlhfmem_command(id=...)), or --ignore-flush for flush policies")
+                             "rlhfmem_command(id=...)), --ignore-flush for flush policies, or --allow-disjoint "
+                             "to accept it")
     rows: list[DiffRow] = []
     for sid in sorted(set(base.scenarios) | set(head.scenarios)):
         b, h = base.scenarios.get(sid), head.scenarios.get(sid)

@@ -79,7 +79,9 @@ def test_a_diff_where_nothing_matched_fails_with_one_line(tmp_path):
     assert d.returncode == 2 and d.stdout == "", d.stdout
     assert d.stderr.count("\n") == 1 and d.stderr.startswith("rlhfmem: error: nothing compared: no scenario id is in "
                                                              "both"), d.stderr
-    assert "train.py out/1" in d.stderr and "train.py out/2" in d.stderr
+    assert "train.py out/1" in d.stderr and "train.py out/2" in d.stderr and "--allow-disjoint" in d.stderr
+    ok = rlhfmem("diff", a, b, "--allow-disjoint", "--fail-on-regression")  # accepted: one new, one missing
+    assert ok.returncode == 0 and "1 new, 1 missing" in ok.stdout, ok.stdout + ok.stderr
 
 
 def test_new_and_missing_are_named_above_the_table(tmp_path):

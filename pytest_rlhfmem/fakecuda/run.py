@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,14 +25,18 @@ class FakeCudaRunError(RuntimeError):
 
 
 def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S,
-                  work_dir: str | Path | None = None, without_flush: bool = False) -> dict[str, dict]:
+                  work_dir: str | Path | None = None, without_flush: bool = False,
+                  keep_work: bool = False) -> dict[str, dict]:
     """Run ``scenario`` (deepspeed-chat) as rank ``rank`` on the fake-CUDA route.
 
     Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
     without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
     is a result with ``status: failed``; a worker that dies or exceeds ``timeout`` seconds raises
-    :class:`FakeCudaRunError` (its process group is killed first).
+    :class:`FakeCudaRunError` (its process group is killed first). A work directory this function made
+    (no ``work_dir``) is removed after a run whose results are all ``ok``, unless ``keep_work``; a failed
+    run keeps it (its log is named in the error).
     """
+    made_here = work_dir is None
     work = Path(work_dir or tempfile.mkdtemp(prefix="rlhfmem-fakecuda-"))
     work.mkdir(parents=True, exist_ok=True)
     name = scenario.id.replace("/", "__")
@@ -65,4 +70,6 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
             r["process_wall_s"] = round(wall, 3)  # the whole worker process: startup, run, replays
             path.write_text(json.dumps(r, indent=1))
             results[sid] = r
+    if made_here and not keep_work and all(r.get("status") == "ok" for r in results.values()):
+        shutil.rmtree(work, ignore_errors=True)  # everything is in the returned results
     return results

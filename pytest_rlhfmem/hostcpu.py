@@ -57,6 +57,20 @@ FORCED_CPU_SETTINGS = {
 _NOT_IMPLEMENTED = re.compile(r"""["']?([\w:.]+)["']? not implemented for '(Half|BFloat16|Float8\w*)'""")
 
 
+# torch before 2.6 names ATen's lowest dispatch level "NO AVX" (aten/src/ATen/native/DispatchStub.cpp); later
+# releases "DEFAULT". One name, so two torch versions at the same level compare equal.
+_CAPABILITY_ALIASES = {"NO AVX": "DEFAULT"}
+
+
+def aten_cpu_capability() -> str:
+    """ATen's CPU dispatch level (``torch.backends.cpu.get_cpu_capability()``): ``DEFAULT``, ``AVX2``,
+    ``AVX512``, ... (``NO AVX`` of torch < 2.6 reported as ``DEFAULT``)."""
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    return _CAPABILITY_ALIASES.get(cap, cap)
+
+
 def cpu_model() -> str:
     """The processor's model name (``/proc/cpuinfo``'s ``model name``; ``platform.processor()`` elsewhere)."""
     try:
@@ -117,7 +131,7 @@ def host_cpu_profile(threads: int | None = None) -> dict:
     return {
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
-        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "aten_cpu_capability": aten_cpu_capability(),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "native").upper(),
         "mkldnn_fp16": fp16 if forced == "auto" else f"forced {forced}",
         "mkldnn_bf16": _mkldnn("_is_mkldnn_bf16_supported"),

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .memory.host import current_rss
+
 # An allocation failure's message: CUDA's (torch.OutOfMemoryError), PyTorch's CPU allocator's
 # (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory", "not enough memory").
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
@@ -134,7 +136,7 @@ class RankCapture:
 
     def progress(self, phase: str) -> None:
         _write_json(self._progress, {"rank": self.rank, "pid": os.getpid(), "phase": phase,
-                                     "host_rss": _rss_bytes(), "time": time.time()})
+                                     "host_rss": current_rss(), "time": time.time()})
 
     def start(self):
         """Start recording and make the recorder the public API's active handle; returns it (the
@@ -259,10 +261,3 @@ def _write_json(path: Path, obj: dict) -> None:
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
 
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0

@@ -57,3 +57,12 @@ def test_a_dtype_without_a_kernel_fails_in_one_line_naming_dtype_op_and_what_to_
     assert msg.startswith("dtype fp16 cannot compute on this CPU build: op addmm_impl_cpu_ has no Half kernel")
     assert "--dtype fp32" in msg and "\n" not in msg
     assert dtype_failure("CUDA out of memory", None) is None
+
+
+def test_a_bad_forced_answer_is_one_line_before_any_worker_starts(monkeypatch):
+    monkeypatch.setenv(ENV_FP16_KERNELS, "maybe")
+    out = subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "run", "--world-size", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == ("rlhfmem: error: $RLHFMEM_CPU_FP16_KERNELS='maybe': allowed values: auto, "
+                                  "supported, unsupported")

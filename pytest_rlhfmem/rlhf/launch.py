@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..hostcpu import fp16_answer
 from ..memory.host import HOST_METRIC_NAMES
 from ..memory.metrics import METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
@@ -90,6 +91,10 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     from .deepspeed_chat import STRATEGY_SETTINGS
 
     _check_framework_installed(scenario.framework)
+    try:  # a bad $RLHFMEM_CPU_FP16_KERNELS is one line here, not a traceback in every worker's log
+        fp16_answer()
+    except ValueError as exc:
+        raise ScenarioError(str(exc)) from None
     device = resolve_device(device, scenario.world_size)
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "

@@ -29,8 +29,9 @@ def test_rlhfmem_run_colossalchat_prints_the_phase_table(tmp_path):
         assert rank["recipe"]["offload_inference_models"] is True
 
 
-def test_grad_ckpt_runs_and_flush_points_follow_the_policy():
-    r = run_scenario(Scenario("colossalchat", "tiny-opt", "grad-ckpt", "after-training", 2), device="cpu", timeout=600)
+def test_grad_ckpt_runs_and_flush_points_follow_the_policy(tmp_path):
+    r = run_scenario(Scenario("colossalchat", "tiny-opt", "grad-ckpt", "after-training", 2), device="cpu", timeout=600,
+                     work_dir=tmp_path)  # under pytest's temp dir, not a leftover rlhfmem-* in /tmp
     assert r["status"] == "ok", r["failure"]
     for rank in r["ranks"]:
         assert [f["name"] for f in rank["flushes"]] == ["after-train_actor", "after-train_critic"]

@@ -33,9 +33,10 @@ def test_every_phase_is_measured_with_finite_losses(run):
 
 
 @pytest.mark.parametrize("strategy", ["none", "zero2"])
-def test_stages_0_to_2_are_deterministic(strategy, run):
+def test_stages_0_to_2_are_deterministic(strategy, run, tmp_path):
     first = run(strategy)
-    again = run_scenario(Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2), device="cpu", timeout=600)
+    again = run_scenario(Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2), device="cpu", timeout=600,
+                         work_dir=tmp_path)  # under pytest's temp dir, not a leftover rlhfmem-* in /tmp
     for m in ("peak_reserved", "cuda_malloc_count", "alloc_retries"):
         assert again["metrics"][m] == first["metrics"][m], m
     # Communication threads free a block at slightly different moments: at most one 512-byte block, in the

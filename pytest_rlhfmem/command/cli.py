@@ -13,13 +13,14 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
-        usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda] [--json OUT] "
+        usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-sim] [--json OUT] "
               "[--snapshot-dir DIR] [--timeout S] [--id ID] [--keep-work] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
     ws.add_argument("--nproc-per-node", type=int, default=None, help="same as --world-size (one node)")
-    c.add_argument("--device", default="auto", choices=DEVICES,
-                   help="auto = CUDA when enough devices, else CPU with the allocator model (simulated)")
+    c.add_argument("--device", default="auto", choices=(*DEVICES, "cuda-sim"),
+                   help="auto = CUDA when enough devices, else CPU with the allocator model (simulated); "
+                        "cuda-sim = a CUDA script, unchanged, on the simulated CUDA device (no GPU; simulated)")
     c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     c.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -53,8 +54,10 @@ def _capture(args: argparse.Namespace) -> int:
                              device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
     except CommandError as exc:
         raise CliError(str(exc)) from None
-    label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
-             if result["simulated"] else "measured: CUDA caching allocator")
+    label = ("measured: CUDA caching allocator" if not result["simulated"] else
+             "simulated: the script's CUDA allocations on the simulated CUDA device, replayed through the CUDA "
+             "caching allocator model" if result["device"] == "cuda-sim" else
+             "simulated: CPU allocation trace replayed through the CUDA caching allocator model")
     print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
     if args.json_out:
         write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise

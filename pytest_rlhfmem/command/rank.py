@@ -26,7 +26,7 @@ class CommandIdentity:
 
 
 ENV_DIR = "RLHFMEM_CAPTURE_DIR"  # work directory of the capture; its presence turns the bootstrap on
-ENV_DEVICE = "RLHFMEM_CAPTURE_DEVICE"  # cpu | cuda
+ENV_DEVICE = "RLHFMEM_CAPTURE_DEVICE"  # cpu | cuda | cuda-sim
 ENV_ID = "RLHFMEM_CAPTURE_ID"
 ENV_COMMAND = "RLHFMEM_CAPTURE_COMMAND"  # JSON list
 ENV_WORLD_SIZE = "RLHFMEM_CAPTURE_WORLD_SIZE"
@@ -64,11 +64,16 @@ def start_command_capture() -> None:
         # before memory history is switched on, and the context must not land on device 0 for every rank.
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
         torch.cuda.init()
+    description = {}
+    if device == "cuda-sim":  # the user's CUDA script on the simulated device: torch.cuda answered first
+        from .sim_device import install
+
+        description["torch_cuda_answered"] = install(lambda: _command_capture.rec)
     world_size = int(env.get("WORLD_SIZE", env.get(ENV_WORLD_SIZE, "1")))
     ident = CommandIdentity(env.get(ENV_ID, "command"), tuple(json.loads(env.get(ENV_COMMAND, "[]"))), world_size)
     cap = RankCapture(ident, device, Path(out), rank, world_size, root=ROOT_PHASE,
                       snapshot_dir=env.get(ENV_SNAPSHOT_DIR) or None,
-                      cuda_emulation=env.get(ENV_CUDA_EMULATION, "on"))
+                      cuda_emulation=env.get(ENV_CUDA_EMULATION, "on"), description=description)
     cap.progress("startup")
     cap.start()
     _command_capture = cap

@@ -152,6 +152,26 @@ def _shown_path(path: str) -> str:
     return str(p)
 
 
+SIM_DEVICE = "cuda-sim"  # a CUDA script, unchanged, on the simulated CUDA device (memory/sim_cuda.py)
+
+
+@functools.lru_cache(maxsize=1)
+def sim_cuda_library() -> str:
+    """Build the simulated CUDA device's library once (under a file lock; cached) and return its path.
+    Raises :class:`CommandError` (one line) when it cannot be built here."""
+    from filelock import FileLock
+
+    from ..memory.device_libs import SIM_SOURCE, FakeCudaUnavailable, library_path
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / "sim-cuda.lock")):
+        try:
+            return str(library_path(SIM_SOURCE))
+        except FakeCudaUnavailable as exc:
+            raise CommandError(f"--device cuda-sim: {exc}") from None
+
+
 @functools.lru_cache(maxsize=1)
 def recorder_library() -> str | None:
     """Build the CPU allocation recorder once (under a file lock; cached in torch's extension directory)
@@ -186,7 +206,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if not id or not isinstance(id, str):
         raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
     argv, n, is_torchrun = plan_command(command, world_size, nproc_per_node)
-    device = resolve_device(device, n)
+    device = device if device == SIM_DEVICE else resolve_device(device, n)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -200,7 +220,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002
             timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None) -> dict:
     t0 = time.perf_counter()
-    run_env = _worker_env(device, 1)  # CPU: CUDA hidden, DeepSpeed's CPU accelerator; hubs offline
+    run_env = _worker_env("cpu" if device == SIM_DEVICE else device, 1)  # CPU: CUDA hidden; hubs offline
     if "OMP_NUM_THREADS" not in os.environ:  # the user's thread settings stand (torchrun sets its own)
         run_env.pop("OMP_NUM_THREADS")
     run_env.update(env or {})
@@ -219,6 +239,8 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
         run_env[R.ENV_SNAPSHOT_DIR] = str(Path(snapshot_dir).resolve())
     if library:
         run_env["RLHFMEM_RECORDER_LIBRARY"] = library
+    if device == SIM_DEVICE:
+        run_env["RLHFMEM_SIM_CUDA_LIBRARY"] = sim_cuda_library()
     log_path = work / "command.log"
     try:
         returncode, timed_out = run_process_group(argv, log_path, run_env, timeout, work, cwd=cwd)

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 from . import emulation
 from .host import HostMemory
 from .trace import (
-    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, FLUSH, FREE, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, Event,
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, PHASE, PHASE_END,
+    POOL_ENTER, POOL_EXIT, Event,
     Trace, trace_from_snapshot,
 )
 
@@ -68,7 +69,7 @@ class Recorder:
     name (``"run"``), so a trace with no phase marks is one window covering the whole run.
     """
 
-    device: str  # "cpu" | "cuda"
+    device: str  # "cpu" | "cuda" | "cuda-sim"
     on_phase: Callable[[str], None] | None = None  # called at each phase start (progress files)
     max_entries: int = 2_000_000
     phases: list[PhaseRecord] = field(default_factory=list)
@@ -90,6 +91,8 @@ class Recorder:
     _empty_cache: Callable[[], None] | None = None  # the original torch.cuda.empty_cache while intercepted
     error_phase: str | None = None  # the innermost phase an exception propagated out of
     host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
+    # "cuda-sim": the simulated CUDA device's log (memory/sim_cuda.py: SimCudaRows), read as recorder rows
+    row_source: object = None
     flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -104,6 +107,11 @@ class Recorder:
                                                      max_entries=self.max_entries)
             torch.cuda.reset_peak_memory_stats()
             self.backend = "torch.cuda.memory._record_memory_history"
+        elif self.row_source is not None:  # the simulated CUDA device: CUDA's code paths, no emulation
+            self._ext = self.row_source
+            self.backend = getattr(self.row_source, "backend", "row source")
+            self.cuda_emulation = None
+            self._ext.start()
         else:
             try:
                 from .cpu_recorder import load_recorder
@@ -280,6 +288,8 @@ class Recorder:
     # -- CPU --------------------------------------------------------------------------------------
     def capture_description(self) -> dict:
         """What this capture emulated, for results and budgets: ``{"cuda_emulation": ...}`` on CPU."""
+        if self.row_source is not None:
+            return self.row_source.describe()
         if self.device != "cpu":
             return {}
         applied = self.cuda_emulation if self.backend.startswith("rlhfmem CPU") else None
@@ -325,7 +335,21 @@ class Recorder:
         items = [(t, i, 1 if kind == 2 else 0, ptr, -size if kind == 1 else size)
                  for i, (t, ptr, size, kind, _main) in enumerate(rows)]
         self.frees_on_other_threads = self._foreign_frees(rows)
-        return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
+        events = self.cpu_events(items)
+        if self.row_source is None:
+            return Trace(events=events, capture=CAPTURE_CPU_SIMULATED, source=self.backend)
+        streams = getattr(self.row_source, "streams", {})  # blocks of a side stream keep its pool
+        if streams:
+            events = [e._replace(stream=streams[e.addr]) if e.action in (ALLOC, FREE) and e.addr in streams else e
+                      for e in events]
+        return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend)
+
+    def trace_so_far(self) -> Trace:
+        """The device trace up to now, recording going on (the simulated CUDA device's memory-stat and
+        snapshot answers replay it). Raises ``RuntimeError`` for any other recorder."""
+        if self.row_source is None or self._ext is None:
+            raise RuntimeError("trace_so_far: only a recorder on the simulated CUDA device can be read while running")
+        return self.trace_from_rows(self._ext.rows(), None)
 
     def _foreign_frees(self, rows: list) -> tuple[int, int, list]:
         """Frees run by other threads (gloo's, DeepSpeed's): count, bytes, and the five largest with

@@ -37,7 +37,9 @@ SEGMENT_ACTIONS = (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)  # t
 CAPTURE_CUDA = "cuda-memory-history"
 CAPTURE_CPU_SIMULATED = "cpu-trace-simulated"
 CAPTURE_FAKE_CUDA_SIMULATED = "fake-cuda-simulated"  # fake CUDA tensors recorded at the dispatcher (fakecuda/)
-SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED)
+# a user's CUDA script on the simulated CUDA device (fakecuda/csrc/sim_cuda.cpp, memory/sim_cuda.py)
+CAPTURE_SIM_CUDA_SIMULATED = "sim-cuda-simulated"
+SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED)
 CAPTURE_SYNTHETIC = "synthetic"
 
 

@@ -30,13 +30,15 @@ from .allocator import (
 )
 from .columns import CODE, TraceColumns, columns_from_trace
 from .events import (
-    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SYNTHETIC, FLUSH, FREE, OOM,
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED,
+    CAPTURE_SYNTHETIC, FLUSH, FREE, OOM,
     PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
     SIMULATED_CAPTURES, Event, SegmentState, Trace,
 )
 
 __all__ = [  # the snapshot format's own names, and the trace's types callers import from here
-    "ALLOC", "CAPTURE_CPU_SIMULATED", "CAPTURE_CUDA", "CAPTURE_FAKE_CUDA_SIMULATED", "CAPTURE_SYNTHETIC", "FLUSH",
+    "ALLOC", "CAPTURE_CPU_SIMULATED", "CAPTURE_CUDA", "CAPTURE_FAKE_CUDA_SIMULATED", "CAPTURE_SIM_CUDA_SIMULATED",
+    "CAPTURE_SYNTHETIC", "FLUSH",
     "FREE", "OOM", "PHASE", "PHASE_END", "POOL_ENTER", "POOL_EXIT", "POOL_RELEASE", "SEGMENT_ALLOC", "SEGMENT_FREE",
     "SEGMENT_MAP", "SEGMENT_UNMAP", "SIMULATED_CAPTURES", "Event", "SegmentState", "SnapshotError", "Trace",
     "columns_from_snapshot", "load_snapshot", "trace_from_snapshot", "write_snapshot",

@@ -1,0 +1,456 @@
+// A CUDA device without a GPU, for running a user's unchanged CUDA script on a CPU-only PyTorch build.
+//
+// What a tensor on device "cuda" is here: a real ATen tensor with the CUDA dispatch keys (so autograd,
+// CUDA autocast and its cast cache, and every CompositeImplicit/CompositeExplicit kernel run exactly the
+// code paths a GPU build runs) whose storage comes from SimCudaAllocator: a unique address and a size, no
+// memory. Every allocation and free is logged; the log is the device trace the allocator model replays.
+//
+// Kernels: a CPU build registers no kernel for the CUDA key, so a boxed fallback computes each op's
+// outputs from its Meta kernel (C++ structured meta functions and torch/_meta_registrations.py): the CUDA
+// inputs are viewed as meta tensors of the same geometry over one meta storage per CUDA storage, the op is
+// redispatched to Meta, and each output becomes a CUDA tensor: an input itself (in-place and out= ops), a
+// view of an input's CUDA storage (view ops), or a new storage from SimCudaAllocator (what a CUDA
+// kernel's output allocation asks the caching allocator for). Values are never computed: `.item()` on a
+// CUDA tensor gets a fixed answer by dtype (counted per dtype), copies into or out of the device do
+// nothing to values.
+//
+// cuBLAS: the first op of a thread that calls cuBLAS on a GPU (mm, bmm, addmm, baddbmm, ...) takes the
+// handle's workspace from the caching allocator (aten/src/ATen/cuda/CublasHandlePool.cpp:
+// getCurrentCUDABlasHandle -> setWorkspaceForHandle), never freed; its size is set from Python
+// (CUBLAS_WORKSPACE_CONFIG, compute capability). It is placed before the op's output: with it after, the
+// training recording's warm-ups end one 40 MiB segment short (measured, tests/test_sim_cuda.py).
+//
+// Also registers c10's FakeGuardImpl for CUDA (streams, device index) and CUDA hooks with hasCUDA() true.
+// Must be loaded (ctypes, RTLD_GLOBAL) BEFORE `import torch`.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace {
+
+// ---- the device trace -------------------------------------------------------------------------------
+struct Ev {
+  int64_t action;  // 1 alloc, 2 free
+  uint64_t addr;
+  int64_t size;
+  int64_t stream;
+  int64_t time_us;
+};
+
+std::mutex g_mu;
+std::vector<Ev> g_events;
+std::atomic<uint64_t> g_next_addr{uint64_t(1) << 40};
+thread_local int64_t t_stream = 0;
+int64_t g_workspace_bytes = 8519680;  // CUBLAS_WORKSPACE_CONFIG default before sm_90
+std::atomic<int64_t> g_scalar_answers[4];  // bool, int, float, other
+std::atomic<int64_t> g_workspaces{0};
+
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void log_event(int64_t action, uint64_t addr, int64_t size, int64_t stream) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_events.push_back({action, addr, size, stream, now_us()});
+}
+
+struct Block {
+  uint64_t addr;
+  int64_t size;
+  int64_t stream;
+};
+
+void sim_delete(void* ctx) {
+  auto* b = static_cast<Block*>(ctx);
+  log_event(2, b->addr, b->size, b->stream);
+  delete b;
+}
+
+void noop_delete(void*) {}
+
+struct SimCudaAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    c10::Device dev(c10::DeviceType::CUDA, 0);
+    if (n == 0) return {nullptr, nullptr, &noop_delete, dev};  // as the caching allocator: no block
+    uint64_t addr = g_next_addr.fetch_add((n + 1023) / 512 * 512);  // unique; never dereferenced
+    auto* b = new Block{addr, static_cast<int64_t>(n), t_stream};
+    log_event(1, addr, b->size, b->stream);
+    return {reinterpret_cast<void*>(addr), b, &sim_delete, dev};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void*, const void*, std::size_t) const override {}
+};
+
+SimCudaAllocator g_allocator;
+
+// ---- kernels ----------------------------------------------------------------------------------------
+const std::unordered_set<std::string> kCublasOps = {
+    "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::addmv", "aten::mv",
+    "aten::dot", "aten::vdot", "aten::_addmm_activation"};
+
+thread_local std::unordered_set<int64_t> t_workspace_streams;
+std::mutex g_ws_mu;
+std::vector<c10::DataPtr> g_workspace_holders;  // never freed, as cuBLAS's
+
+void cublas_workspace() {
+  if (!t_workspace_streams.insert(t_stream).second) return;
+  auto p = g_allocator.allocate(static_cast<size_t>(g_workspace_bytes));
+  g_workspaces++;
+  std::lock_guard<std::mutex> g(g_ws_mu);
+  g_workspace_holders.push_back(std::move(p));
+}
+
+bool is_cuda(const at::Tensor& t) { return t.defined() && t.device().is_cuda(); }
+
+// ---- CUDA kernels' own device temporaries (allocated through the caching allocator inside a kernel) ----
+// The GPU whose launch geometry decides them: an RTX 3090 (sm_86), as in the study and shared/snapshots.
+constexpr int kMultiProcessors = 82;
+constexpr int kMaxThreadsPerMultiProcessor = 1536;
+constexpr int kWarpSize = 32;
+std::atomic<int64_t> g_reduce_staging{0};
+std::atomic<int64_t> g_index_sort{0};
+
+int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t last_pow2(int64_t n) {
+  int64_t p = 1;
+  while (p * 2 <= n) p *= 2;
+  return p;
+}
+
+// gpu_reduce_kernel's global-memory staging (aten/src/ATen/native/cuda/Reduce.cuh: setReduceConfig,
+// ReduceConfig::global_memory_size / semaphore_size), for a sum or mean whose input, after TensorIterator's
+// reordering (reduced dims first, each group by ascending stride) and coalescing, is one reduced block and
+// at most one kept block. Returns {staging bytes, semaphore bytes}, {0, 0} when the kernel reduces in
+// shared memory only or the geometry is outside that case (then nothing is added).
+std::pair<int64_t, int64_t> reduce_staging(const at::Tensor& in, c10::OptionalArrayRef<int64_t> dims) {
+  const int64_t nd = in.dim();
+  if (nd == 0 || in.numel() == 0) return {0, 0};
+  std::vector<bool> reduced(nd, !dims.has_value() || dims->empty());
+  if (dims.has_value())
+    for (int64_t d : *dims) reduced[c10::maybe_wrap_dim(d, nd)] = true;
+  struct D { int64_t size, stride; bool red; };
+  std::vector<D> red, kept;
+  for (int64_t d = 0; d < nd; ++d)
+    if (in.size(d) != 1) (reduced[d] ? red : kept).push_back({in.size(d), in.stride(d), reduced[d]});
+  auto by_stride = [](const D& a, const D& b) { return a.stride < b.stride; };
+  std::sort(red.begin(), red.end(), by_stride);
+  std::sort(kept.begin(), kept.end(), by_stride);
+  auto coalesce = [](std::vector<D>& v) {
+    std::vector<D> out;
+    for (const D& d : v) {
+      if (!out.empty() && out.back().stride * out.back().size == d.stride) out.back().size *= d.size;
+      else out.push_back(d);
+    }
+    v = out;
+  };
+  coalesce(red);
+  coalesce(kept);
+  if (red.size() != 1 || kept.size() > 1) return {0, 0};
+  const int64_t elem = in.element_size();
+  const int64_t arg_size = in.scalar_type() == at::kDouble ? 8 : 4;  // acc type: float, or double
+  const int64_t num_outputs = kept.empty() ? 1 : kept[0].size;
+  const int64_t inputs_per_output = red[0].size;
+  const bool on_fastest = kept.empty() || red[0].stride < kept[0].stride;
+  int64_t dim0 = on_fastest ? inputs_per_output : num_outputs;
+  int64_t dim1 = on_fastest ? num_outputs : inputs_per_output;
+  const int64_t fastest_stride = (on_fastest ? red[0].stride : kept[0].stride) * elem;
+  int64_t output_vec = 1;
+  if (fastest_stride == elem) {
+    if (on_fastest && dim0 > 128) {
+      dim0 /= 4;  // vectorize along the input (vt0 = input_vec_size = 4)
+    } else if (!on_fastest) {  // get_output_vec_size
+      output_vec = 4;
+      auto fit = [&](int64_t n) { while (n % output_vec != 0) output_vec /= 2; };
+      fit(in.storage_offset());
+      fit(num_outputs);
+      fit(red[0].stride);
+      dim0 /= output_vec;
+    }
+  }
+  const int64_t max_threads = 512 / output_vec;  // set_block_dimension
+  const int64_t dim0_pow2 = dim0 < max_threads ? last_pow2(dim0) : max_threads;
+  const int64_t dim1_pow2 = dim1 < max_threads ? last_pow2(dim1) : max_threads;
+  int64_t block_width = std::min<int64_t>(dim0_pow2, kWarpSize);
+  const int64_t block_height = std::min<int64_t>(dim1_pow2, max_threads / block_width);
+  block_width = std::min<int64_t>(dim0_pow2, max_threads / block_height);
+  const int64_t num_threads = block_width * block_height;
+  int64_t step_input = 1, step_output = 1;
+  bool block_x_reduce = false, split_input_1 = false;
+  if (on_fastest) { block_x_reduce = true; step_input *= block_width; } else { step_output *= block_width; }
+  auto values_per_thread = [&] { return div_up(inputs_per_output, step_input); };
+  if (values_per_thread() >= block_height * 16 || values_per_thread() >= 256) {
+    split_input_1 = true;
+    step_input *= block_height;
+  } else {
+    step_output *= block_height;
+  }
+  const int64_t target_grid = kMultiProcessors * (kMaxThreadsPerMultiProcessor / num_threads);
+  const int64_t grid_x = div_up(num_outputs / output_vec, step_output);
+  if (!(split_input_1 && values_per_thread() >= 256 && grid_x <= target_grid)) return {0, 0};
+  const int64_t ctas = std::max(std::min(div_up(target_grid, grid_x), div_up(values_per_thread(), 16)),
+                                div_up(values_per_thread(), 256));
+  if (ctas <= 1) return {0, 0};
+  int64_t staging = arg_size * num_outputs * ctas;
+  if (!block_x_reduce) staging *= block_width * output_vec;
+  return {staging, static_cast<int64_t>(sizeof(int)) * grid_x};
+}
+
+const std::unordered_set<std::string> kStagedReductions = {"aten::sum", "aten::mean"};
+
+// What a CUDA kernel allocates and frees inside itself, after its outputs exist.
+void kernel_temporaries(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  const std::string& name = schema.name();
+  if (kStagedReductions.count(name) && !args.empty() && args[0].isTensor() && is_cuda(args[0].toTensor())) {
+    c10::OptionalArrayRef<int64_t> dims;
+    std::vector<int64_t> dv;
+    if (args.size() > 1 && args[1].isIntList()) { dv = args[1].toIntVector(); dims = dv; }
+    auto [staging, sems] = reduce_staging(args[0].toTensor(), dims);
+    if (staging > 0) {  // gpu_reduce_kernel: buffer, then semaphores; freed in reverse
+      auto buffer = g_allocator.allocate(static_cast<size_t>(staging));
+      auto semaphores = g_allocator.allocate(static_cast<size_t>(sems));
+      g_reduce_staging++;
+    }
+    return;
+  }
+  // index_put_ with accumulate (an embedding's backward): index_put_with_sort_kernel
+  // (aten/src/ATen/native/cuda/Indexing.cu) builds the linear index (makeLinearIndex: two int64 temporaries,
+  // the first freed at once), then sorted_indices, orig_indices and the arange of positions for cub's radix
+  // sort; all freed when it returns. cub's own temp storage is not modelled (1 B for 1,024 keys measured).
+  if (name == "aten::_index_put_impl_" && args.size() > 3 && args[3].isBool() && args[3].toBool() &&
+      args[0].isTensor() && is_cuda(args[0].toTensor()) && args[1].isList()) {
+    int64_t n = 0;
+    for (const c10::IValue& e : args[1].toList()) {
+      const c10::IValue v = e;
+      if (v.isTensor() && v.toTensor().defined()) { n = v.toTensor().numel(); break; }
+    }
+    if (n == 0) return;
+    const size_t bytes = static_cast<size_t>(n) * sizeof(int64_t);
+    c10::DataPtr linear;
+    {
+      auto wrapped = g_allocator.allocate(bytes);  // wrapIndexOnce(...)
+      linear = g_allocator.allocate(bytes);        // ... * stride
+    }
+    auto sorted = g_allocator.allocate(bytes);
+    auto orig = g_allocator.allocate(bytes);
+    auto range = g_allocator.allocate(bytes);
+    g_index_sort++;
+  }
+}
+
+c10::DispatchKeySet cuda_keys() { return c10::DispatchKeySet(c10::DispatchKey::CUDA); }
+
+struct DeviceStorage {
+  c10::Storage storage;
+  std::optional<c10::DispatchKeySet> view_keys;  // set for an input's storage: outputs over it are views
+};
+
+struct Mapping {
+  std::unordered_map<c10::StorageImpl*, c10::Storage> to_meta;     // CUDA storage -> its meta stand-in
+  std::unordered_map<c10::StorageImpl*, DeviceStorage> to_cuda;    // meta storage -> CUDA storage
+  std::vector<std::pair<at::Tensor, at::Tensor>> args;             // (cuda input, its meta alias)
+};
+
+// A tensor over `storage` with `like`'s sizes, strides and offset. A view keeps its base's dispatch keys
+// (TensorImpl's VIEW constructor, as at::native::alias_with_sizes_and_strides makes views), so a view of a
+// normal tensor taken under inference_mode is not an inference tensor; a new output is made as
+// at::detail::empty_generic makes it.
+at::Tensor with_geometry(c10::Storage storage, c10::DispatchKeySet ks, caffe2::TypeMeta dtype,
+                         const at::Tensor& like, bool view = false) {
+  auto impl = view ? c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, std::move(storage), ks, dtype)
+                   : c10::make_intrusive<c10::TensorImpl>(std::move(storage), ks, dtype);
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor meta_alias(const at::Tensor& t, Mapping& m) {
+  auto* si = t.storage().unsafeGetStorageImpl();
+  auto it = m.to_meta.find(si);
+  if (it == m.to_meta.end()) {
+    c10::Storage ms(c10::Storage::use_byte_size_t(), t.storage().nbytes(), c10::GetAllocator(c10::kMeta),
+                    /*resizable=*/true);
+    it = m.to_meta.emplace(si, ms).first;
+    m.to_cuda.emplace(ms.unsafeGetStorageImpl(), DeviceStorage{t.storage(), t.key_set()});
+  }
+  auto meta = with_geometry(it->second, c10::DispatchKeySet(c10::DispatchKey::Meta), t.dtype(), t);
+  m.args.emplace_back(t, meta);
+  return meta;
+}
+
+c10::IValue to_meta(const c10::IValue& v, Mapping& m) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    return is_cuda(t) ? c10::IValue(meta_alias(t, m)) : v;
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(is_cuda(t) ? meta_alias(t, m) : t);
+    return out;
+  }
+  if (v.isList()) {
+    auto in = v.toList();
+    bool any = false;
+    for (const c10::IValue& e : in) any = any || (e.isTensor() && is_cuda(e.toTensor()));
+    if (!any) return v;
+    c10::impl::GenericList out(in.elementType());
+    for (const c10::IValue& e : in) out.push_back(to_meta(e, m));
+    return out;
+  }
+  if (v.isDevice() && v.toDevice().is_cuda()) return c10::IValue(c10::Device(c10::DeviceType::Meta));
+  return v;
+}
+
+at::Tensor from_meta_tensor(const at::Tensor& out, Mapping& m) {
+  if (!out.defined() || !out.is_meta()) return out;
+  for (auto& [cuda, meta] : m.args)  // in-place and out= ops return their argument
+    if (out.unsafeGetTensorImpl() == meta.unsafeGetTensorImpl()) return cuda;
+  auto* msi = out.storage().unsafeGetStorageImpl();
+  auto it = m.to_cuda.find(msi);
+  if (it == m.to_cuda.end()) {  // a new output: the device allocation a CUDA kernel makes
+    c10::Storage cs(c10::Storage::use_byte_size_t(), out.storage().nbytes(), &g_allocator, /*resizable=*/true);
+    it = m.to_cuda.emplace(msi, DeviceStorage{cs, std::nullopt}).first;
+  }
+  const DeviceStorage& ds = it->second;
+  return with_geometry(ds.storage, ds.view_keys.value_or(cuda_keys()), out.dtype(), out, ds.view_keys.has_value());
+}
+
+c10::IValue from_meta(const c10::IValue& v, Mapping& m) {
+  if (v.isTensor()) return from_meta_tensor(v.toTensor(), m);
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(from_meta_tensor(t, m));
+    return out;
+  }
+  return v;
+}
+
+// After the op: a mutated argument's geometry and storage size follow its meta alias (resize_, as_strided_,
+// set_ ...). A storage that grew gets a new device allocation, as resize_ on CUDA does.
+void sync_mutated(Mapping& m) {
+  for (auto& [cuda, meta] : m.args) {
+    auto* impl = cuda.unsafeGetTensorImpl();
+    size_t want = meta.storage().nbytes();
+    if (want > cuda.storage().nbytes()) {
+      auto dp = g_allocator.allocate(want);
+      cuda.storage().set_data_ptr_noswap(std::move(dp));
+      cuda.storage().set_nbytes(want);
+    }
+    if (cuda.sizes() != meta.sizes() || cuda.strides() != meta.strides() ||
+        cuda.storage_offset() != meta.storage_offset())
+      impl->set_sizes_and_strides(meta.sizes(), meta.strides(), meta.storage_offset());
+  }
+}
+
+void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto n_args = schema.arguments().size();
+  std::vector<c10::IValue> args(stack->end() - n_args, stack->end());  // the CUDA arguments, as called
+  Mapping m;
+  for (size_t i = stack->size() - n_args; i < stack->size(); ++i) (*stack)[i] = to_meta((*stack)[i], m);
+  if (kCublasOps.count(schema.name())) cublas_workspace();  // before the output: what the recordings show
+  try {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
+  } catch (const std::exception& e) {  // no meta kernel, or an output shape that depends on values
+    std::string what = e.what();
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "rlhfmem simulated CUDA device: ", schema.operator_name(),
+                                " cannot run without values (its meta kernel: ", what.substr(0, what.find('\n')),
+                                "); a GPU run of this op is not simulated");
+  }
+  const auto n_out = schema.returns().size();
+  for (size_t i = stack->size() - n_out; i < stack->size(); ++i) (*stack)[i] = from_meta((*stack)[i], m);
+  sync_mutated(m);
+  kernel_temporaries(schema, args);
+}
+
+// .item() on a device tensor: no value exists. The answers let control flow take the normal path:
+// false for bool (no overflow found), 1 for floats (a finite norm / loss), 2**62 for integers (an end
+// index that Python slicing clamps).
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  auto st = self.scalar_type();
+  if (st == at::kBool) { g_scalar_answers[0]++; return at::Scalar(false); }
+  if (at::isIntegralType(st, /*includeBool=*/false)) {
+    g_scalar_answers[1]++;
+    return (st == at::kByte || st == at::kChar) ? at::Scalar(int64_t(0)) : at::Scalar(int64_t(1) << 62);
+  }
+  if (at::isFloatingType(st)) { g_scalar_answers[2]++; return at::Scalar(1.0); }
+  g_scalar_answers[3]++;
+  return at::Scalar(1.0);
+}
+
+at::Tensor& copy_(at::Tensor& self, const at::Tensor&, bool) { return self; }  // values are not modelled
+
+struct SimCUDAHooks final : public at::CUDAHooksInterface {
+  explicit SimCUDAHooks(at::CUDAHooksArgs) {}
+  void init() const override {}
+  bool isBuilt() const override { return true; }
+  bool hasCUDA() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex current_device() const override { return 0; }
+  int getNumGPUs() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+  c10::DeviceIndex deviceCount() const override { return c10::impl::kFakeGuardImplMaxDevices; }
+  bool isPinnedPtr(const void*) const override { return false; }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  void deviceSynchronize(c10::DeviceIndex) const override {}
+};
+
+}  // namespace
+
+C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
+namespace at {
+C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", SimCUDAHooks);
+}  // namespace at
+
+TORCH_LIBRARY_IMPL(_, CUDA, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&cuda_via_meta>()); }
+
+TORCH_LIBRARY_IMPL(aten, CUDA, m) {
+  m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  m.impl("copy_", TORCH_FN(copy_));
+}
+
+namespace {
+struct RegisterAllocator {
+  RegisterAllocator() { c10::SetAllocator(c10::DeviceType::CUDA, &g_allocator, /*priority=*/100); }
+} g_register_allocator;
+}  // namespace
+
+// ---- read by Python through ctypes ---------------------------------------------------------------------
+extern "C" {
+int rlhfmem_sim_cuda_loaded() { return 1; }
+void rlhfmem_sim_cuda_set_workspace_bytes(int64_t n) { g_workspace_bytes = n; }
+void rlhfmem_sim_cuda_set_stream(int64_t s) { t_stream = s; }
+int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
+int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
+int64_t rlhfmem_sim_cuda_reduce_stagings() { return g_reduce_staging.load(); }
+int64_t rlhfmem_sim_cuda_index_sorts() { return g_index_sort.load(); }
+int64_t rlhfmem_sim_cuda_scalar_answers(int kind) { return kind >= 0 && kind < 4 ? g_scalar_answers[kind].load() : -1; }
+// Copy events [start, start + cap) into the caller's arrays; returns how many were copied.
+int64_t rlhfmem_sim_cuda_events(int64_t start, int64_t cap, int64_t* action, uint64_t* addr, int64_t* size,
+                                int64_t* stream, int64_t* time_us) {
+  std::lock_guard<std::mutex> g(g_mu);
+  int64_t n = 0;
+  for (int64_t i = start; i < static_cast<int64_t>(g_events.size()) && n < cap; ++i, ++n) {
+    const Ev& e = g_events[i];
+    action[n] = e.action; addr[n] = e.addr; size[n] = e.size; stream[n] = e.stream; time_us[n] = e.time_us;
+  }
+  return n;
+}
+int64_t rlhfmem_sim_cuda_event_count() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return static_cast<int64_t>(g_events.size());
+}
+}

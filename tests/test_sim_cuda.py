@@ -1,0 +1,108 @@
+"""A user's CUDA script, unchanged, under ``rlhfmem capture --device cuda-sim`` on this CPU-only machine
+(the simulated CUDA device: ``fakecuda/csrc/sim_cuda.cpp``, ``memory/sim_cuda.py``, ``command/sim_device.py``).
+
+The scripts in tests/data/commands are plain CUDA scripts (``device="cuda"``, ``.to("cuda")``,
+``torch.autocast("cuda")``, ``torch.cuda.*``, no rlhfmem import); the checks read what the scripts themselves
+print and dump (``torch.cuda.memory._dump_snapshot``) next to the capture's result, and hold the CS336
+workload's dumped snapshots against the GPU recordings of ``../shared/snapshots``."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from helpers import DATA
+
+from pytest_rlhfmem.command.run import run_command
+from pytest_rlhfmem.fidelity.workloads import recorded_figures
+from pytest_rlhfmem.memory.trace import load_snapshot
+from pytest_rlhfmem.shared_snapshots import snapshot_path
+
+COMMANDS = DATA / "commands"
+SEGMENT_40_MIB = 41_943_040
+
+
+def capture(tmp_path: Path, script: str, *args: str, id: str) -> dict:  # noqa: A002
+    result = run_command([str(COMMANDS / script), *args], id, device="cuda-sim", work_dir=tmp_path / "work",
+                         timeout=900)
+    assert result["status"] == "ok", result.get("failure") or Path(result["log"]).read_text()[-3000:]
+    return result
+
+
+def printed_figures(result: dict) -> dict:
+    line = next(ln for ln in Path(result["log"]).read_text().splitlines() if ln.startswith("FIGURES "))
+    return json.loads(line.removeprefix("FIGURES "))
+
+
+def test_every_torch_cuda_call_of_a_profiling_script_runs_and_answers_from_the_simulated_allocator(tmp_path):
+    from torch.cuda import _memory_viz
+
+    snap = tmp_path / "snap.pickle"
+    result = capture(tmp_path, "cuda_functions.py", str(snap), id="cuda-functions")
+    fig = printed_figures(result)
+    assert result["capture"] == "sim-cuda-simulated" and result["simulated"] is True
+    # the script's own torch.cuda figures are the simulated allocator's, at that point of the run
+    assert fig["max_allocated"] == fig["stats_peak"] == result["metrics"]["peak_allocated"]
+    assert fig["max_reserved"] == result["metrics"]["peak_reserved"]
+    assert fig["free_total"] == [24 * 2**30 - fig["reserved"], 24 * 2**30]
+    assert fig["elapsed_ms"] == 0.0 and fig["item"] == 1.0 and fig["any"] is False  # named answers
+    described = result["capture_description"]["simulated_cuda_device"]
+    assert described["scalar_answers"] == {"bool": 1, "float": 1}
+    assert described["cublas_workspaces"] == 2  # the forward on the side stream, autograd's thread
+    # the dumped snapshot is PyTorch's format: torch.cuda._memory_viz reads it, and it holds the state the
+    # script saw when it dumped (after empty_cache)
+    data = load_snapshot(snap)
+    summary = _memory_viz.segsum(data)
+    assert f"total_reserved: {fig['reserved_after_empty_cache'] / 2**20:.1f}MiB" in summary
+    assert "cudaMalloc" in _memory_viz.trace(data)
+    assert data["allocator_settings"]["rlhfmem_capture"] == "sim-cuda-simulated"
+
+
+def test_cuda_autocast_keeps_the_bf16_weight_casts_until_the_block_exits(tmp_path):
+    """CPU autocast would free each cast at once (and a CPU build ignores autocast("cuda") entirely);
+    the simulated device runs ATen's AutocastCUDA kernels, cast cache included."""
+    fig = printed_figures(capture(tmp_path, "cuda_autocast.py", id="cuda-autocast"))
+    weights_bf16 = (1024 * 4096 + 4096 * 1024) * 2
+    assert fig["dtype"] == "torch.bfloat16"
+    assert fig["inside"] - fig["after"] == weights_bf16  # both cached casts live inside, freed at exit
+    assert fig["after"] - fig["before"] == 8 * 1024 * 2 + 8_519_680  # y (bf16) and one cuBLAS workspace
+
+
+def _compare(dumped: Path, recording: str) -> dict:
+    rec, cap = recorded_figures(snapshot_path(recording)), recorded_figures(dumped)
+    return {"recorded": rec, "captured": cap,
+            "missing": Counter(rec["sizes"]) - Counter(cap["sizes"]),
+            "extra": Counter(cap["sizes"]) - Counter(rec["sizes"])}
+
+
+def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_path):
+    """wedson_medium_128_inference: the profiling script as written for a GPU (model built on the host,
+    ``.to("cuda")``, no seed), its own ``_dump_snapshot`` of the recorded step: the same 1,280 allocation
+    sizes in order, peak reserved and peak allocated equal to the byte, and the same in a second run."""
+    runs = []
+    for k in range(2):
+        snap = tmp_path / f"inference-{k}.pickle"
+        capture(tmp_path / str(k), "cs336_memory_profile.py", "--mode", "inference", "--context-length", "128",
+                "--out", str(snap), id="cs336-inference")
+        runs.append(_compare(snap, "wedson_medium_128_inference"))
+    for c in runs:
+        rec, cap = c["recorded"], c["captured"]
+        assert cap["sizes"] == rec["sizes"] and len(cap["sizes"]) == 1280
+        assert cap["peak_reserved"] == rec["peak_reserved"] == 1_763_704_832
+        assert cap["peak_allocated"] == rec["peak_allocated"] == 1_738_928_128
+    assert runs[0]["captured"] == runs[1]["captured"]
+
+
+def test_cs336_training_script_unchanged_against_the_gpu_recording(tmp_path):
+    """wedson_medium_256_training: forward, loss, backward, AdamW. Peak allocated equal to the byte; every
+    recorded allocation size but cub's 1-byte radix-sort temporary is made (the 49 reductions' 8,388,608 B
+    staging buffers and 32 B semaphores, the embedding backward's sort buffers). Peak reserved is one free
+    41,943,040 B segment short of the GPU's (-0.45%): the warm-ups before the recorded window leave one more
+    cached logits-sized segment on the GPU; what makes it is not found yet (issue 24, left open)."""
+    snap = tmp_path / "training.pickle"
+    capture(tmp_path, "cs336_memory_profile.py", "--mode", "training", "--context-length", "256",
+            "--out", str(snap), id="cs336-training")
+    c = _compare(snap, "wedson_medium_256_training")
+    rec, cap = c["recorded"], c["captured"]
+    assert cap["peak_allocated"] == rec["peak_allocated"] == 9_113_374_720
+    assert c["missing"] == Counter({1: 1}) and not c["extra"]
+    assert rec["peak_reserved"] - cap["peak_reserved"] == SEGMENT_40_MIB

@@ -364,8 +364,8 @@ class RlhfmemSession:
         for line in summary_table(self.results):
             tr.write_line(line)
         if any(r.get("simulated") for r in self.results):
-            tr.write_line("simulated = CPU allocation trace replayed through the CUDA caching allocator model; "
-                          "not a GPU measurement")
+            tr.write_line("simulated = an allocation trace (a CPU run's, or the simulated CUDA device's) replayed "
+                          "through the CUDA caching allocator model; not a GPU measurement")
         if self.results:
             tr.write_line("host peak RSS (anon growth) / host pinned: measured in each rank's process (max over "
                           "ranks), never simulated; anon growth = peak anonymous RSS (sampled) minus its value after "
@@ -581,7 +581,8 @@ class MemoryBudget:
         self.session.record(nodeid, result, verdict)
         self.checked.append(eid)
         if over:
-            label = "simulated (CPU trace through the allocator model)" if result.simulated else "measured on CUDA"
+            label = (f"simulated ({result.data.get('capture')} trace through the allocator model)" if result.simulated
+                     else "measured on CUDA")
             advice = ""
             if _opt(self.session.config, "rlhfmem_advise"):
                 from .advise import one_line

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .budgets import BUDGET_METRICS, DEFAULT_TOLERANCES, SIZE_BUDGETS, BudgetError, load_budget_file
+from .memory.events import SIMULATED_CAPTURES
 from .units import format_size
 
 # "unmeasured": the scenario is on both sides but one side lacks this metric (e.g. budgets written before
@@ -284,11 +285,12 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     mism = d.environment_mismatches()
     if mism:
         lines += ["", "⚠️ **Environments differ** (figures may not be comparable): " + "; ".join(mism)]
-    if any(s["env"].get("capture") == "cpu-trace-simulated" for side in (d.base, d.head)
-           for s in side.scenarios.values()):
-        lines += ["", "_cpu-trace-simulated figures are simulated: a CPU allocation trace replayed through the "
-                  "CUDA caching allocator model. host_anon_growth, host_pinned_peak and the RSS figures are "
-                  "measured (each rank's process), never simulated._"]
+    simulated = sorted({s["env"].get("capture") for side in (d.base, d.head) for s in side.scenarios.values()}
+                       & set(SIMULATED_CAPTURES))
+    if simulated:
+        lines += ["", f"_{', '.join(simulated)} figures are simulated: an allocation trace (a CPU run's, or the "
+                  "simulated CUDA device's) replayed through the CUDA caching allocator model. host_anon_growth, "
+                  "host_pinned_peak and the RSS figures are measured (each rank's process), never simulated._"]
     changed = [r for r in d.rows if r.status not in ("unchanged", "unmeasured")]
     lines += ["", "## Changes", ""]
     lines += _md_table(changed) if changed else ["No metric moved beyond the threshold."]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..rlhf.cli_run import add_keep_work_argument
+from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
 from ..rlhf.scenario import DEVICES
 
@@ -14,7 +14,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
         usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-sim] [--json OUT] "
-              "[--snapshot-dir DIR] [--timeout S] [--id ID] [--keep-work] -- COMMAND [ARGS...]")
+              "[--snapshot-dir DIR] [--timeout S] [--id ID] [--cuda-emulation on|off] [--time-rounds N] "
+              "[--keep-work] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
     ws.add_argument("--nproc-per-node", type=int, default=None, help="same as --world-size (one node)")
@@ -28,6 +29,7 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key, what "
                    "rlhfmem diff pairs); default: the program without its arguments (the script's path or "
                    "-m's module; /xN for N ranks)")
+    add_measurement_arguments(c)
     add_keep_work_argument(c)
     c.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND", help="after --: the command to run")
     c.set_defaults(func=_capture)
@@ -45,13 +47,25 @@ def _capture(args: argparse.Namespace) -> int:
         raise CliError("no command given: rlhfmem capture [options] -- COMMAND [ARGS...]")
     if args.timeout <= 0:
         raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.time_rounds < 1:
+        raise CliError(f"--time-rounds must be a positive integer, got {args.time_rounds}")
     try:
         ident = args.capture_id or default_id(cmd, plan_command(cmd, args.world_size, args.nproc_per_node)[1])
     except CommandError as exc:
         raise CliError(str(exc)) from None
+    def once(snapshot_dir: str | None) -> dict:
+        return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
+                           device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
+                           cuda_emulation=args.cuda_emulation)
+
     try:
-        result = run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
-                             device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir)
+        result = once(args.snapshot_dir)
+        rounds = [result]
+        if args.time_rounds > 1 and result["status"] == "ok":  # time noise from repeated runs (timing.py)
+            from ..timing import with_rounds
+
+            rounds += [once(None) for _ in range(args.time_rounds - 1)]
+            result = with_rounds(result, rounds[1:])
     except CommandError as exc:
         raise CliError(str(exc)) from None
     label = ("measured: CUDA caching allocator" if not result["simulated"] else
@@ -61,7 +75,7 @@ def _capture(args: argparse.Namespace) -> int:
     print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
     if args.json_out:
         write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise
-    finish_runs([result], args.keep_work)
+    finish_runs(rounds, args.keep_work)
     if result["status"] != "ok":
         print("FAILED: " + IterationResult(result).describe_failure())
         print(f"command output: {result['log']}")

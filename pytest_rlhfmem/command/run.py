@@ -193,12 +193,13 @@ def recorder_library() -> str | None:
 def run_command(command: Sequence[str] | str, id: str, world_size: int | None = None,  # noqa: A002
                 nproc_per_node: int | None = None, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
-                env: dict | None = None, cwd: str | Path | None = None) -> dict:
+                env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on") -> dict:
     """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
     ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
 
     A crash, OOM or hang of any rank is a result with ``status`` ``failed`` and its rank, phase and
-    memory so far (never an exception). ``env`` adds to this process's environment. Raises
+    memory so far (never an exception). ``env`` adds to this process's environment. ``cuda_emulation``
+    (``on``/``off``) is the CPU capture's CUDA emulation (``memory/emulation.py``), as for the recipes. Raises
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
     command that ended before any rank imported torch, or one whose ranks allocated no device memory
     (with a non-zero exit status: "exited with code N before its first allocation"; nothing was measured).
@@ -207,10 +208,13 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
         raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
     argv, n, is_torchrun = plan_command(command, world_size, nproc_per_node)
     device = device if device == SIM_DEVICE else resolve_device(device, n)
+    if cuda_emulation not in ("on", "off"):
+        raise CommandError(f"cuda_emulation {cuda_emulation!r}: allowed values are on, off")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, env, cwd)
+        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir,
+                       {**(env or {}), R.ENV_CUDA_EMULATION: cuda_emulation}, cwd)
     except CommandError:
         if not work_dir:  # nothing was measured; the message quotes the command's last output line
             shutil.rmtree(work, ignore_errors=True)

@@ -26,12 +26,18 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
-    r.add_argument("--cuda-emulation", choices=("on", "off"), default="on",
-                   help="CPU runs: emulate CUDA's own allocations in the capture (default on; see docs/fidelity.md)")
-    r.add_argument("--time-rounds", type=int, default=1, metavar="N",
-                   help="run the iteration N times: the time is their median with its spread")
+    add_measurement_arguments(r)
     add_keep_work_argument(r)
     r.set_defaults(func=_run)
+
+
+def add_measurement_arguments(p: argparse.ArgumentParser) -> None:
+    """``--cuda-emulation`` and ``--time-rounds``: the same switches for ``rlhfmem run`` and ``rlhfmem capture``
+    (and the same meaning as the plugin's ``--rlhfmem-cuda-emulation`` / ``--rlhfmem-time-rounds``)."""
+    p.add_argument("--cuda-emulation", choices=("on", "off"), default="on",
+                   help="CPU runs: emulate CUDA's own allocations in the capture (default on; see docs/fidelity.md)")
+    p.add_argument("--time-rounds", type=int, default=1, metavar="N",
+                   help="run N times: the time is their median with its spread (memory figures: the first run's)")
 
 
 def add_keep_work_argument(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,8 @@
 
     python benchmarks/budget_tables.py cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
     python benchmarks/budget_tables.py methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
+    python benchmarks/budget_tables.py flush-diff     # README: rlhfmem diff, flush after inference vs none
+    python benchmarks/budget_tables.py mid-matrix     # README: the mid-size pair (methods_cpu_mid.yaml)
 
 Each block a document shows is fenced by ``<!-- generated: python benchmarks/budget_tables.py NAME -->`` and
 ``<!-- end generated -->``; tests/test_generated_tables.py reruns the command and fails when a block differs
@@ -75,7 +77,52 @@ def methods() -> list[str]:
     return rows
 
 
-TABLES = {"cpu-matrix": cpu_matrix, "methods": methods}
+def mid_matrix() -> list[str]:
+    """The mid-size pair (OPT-125m x 4, fp16, 2 ranks; methods_cpu_mid.yaml), MiB (2**20 B, rounded): flush none's
+    peak reserved / fragmentation / allocated / peak phase / cudaMalloc, then the after-inference flush's reserved
+    (change against none) and fragmentation; last line: the flush's extra cudaMalloc calls, lowest to highest."""
+    e = _entries("methods_cpu_mid.yaml")
+    names = {"none": "none", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero3-offload": "ZeRO-3 + offload", "all": "all"}
+    rows = ["| strategy | peak reserved | frag. | peak allocated | peak phase | cudaMalloc | "
+            "reserved, flush after inference | frag., flush |", "|---|---|---|---|---|---|---|---|"]
+    extra = []
+
+    def mib(entry: dict, metric: str) -> int:
+        return round(_m(entry, metric) / 2**20)
+
+    for s, label in names.items():
+        a = e[f"deepspeed-chat/opt-125m/{s}/flush-none/x2"]
+        f = e[f"deepspeed-chat/opt-125m/{s}/flush-after-inference/x2"]
+        change = 100 * (_m(f, "peak_reserved") - _m(a, "peak_reserved")) / _m(a, "peak_reserved")
+        rows.append(f"| {label} | {mib(a, 'peak_reserved')} | {mib(a, 'fragmentation_at_peak')} | "
+                    f"{mib(a, 'peak_allocated')} | {a['peak_phase']} | {_m(a, 'cuda_malloc_count')} | "
+                    f"{mib(f, 'peak_reserved')} ({change:+.1f}%) | {mib(f, 'fragmentation_at_peak')} |")
+        extra.append(_m(f, "cuda_malloc_count") - _m(a, "cuda_malloc_count"))
+    rows += ["", f"The after-inference flush's extra cudaMalloc calls per iteration: +{min(extra)} to +{max(extra)}."]
+    return rows
+
+
+def flush_diff() -> list[str]:
+    """``rlhfmem diff``'s verdict and changed rows for the after-inference flush against no flush, every
+    strategy of the CPU matrix (deepspeed_chat_cpu.yaml; ``--ignore-flush`` pairing), as the README quotes it."""
+    from pytest_rlhfmem.report import Side, _md_table, diff, load_side, without_flush
+
+    side = load_side(BASELINES / "deepspeed_chat_cpu.yaml")
+
+    def policy(name: str) -> Side:
+        return without_flush(Side(f"{name}", {k: v for k, v in side.scenarios.items() if f"/flush-{name}/" in k}))
+
+    d = diff(policy("none"), policy("after-inference"))
+    c = d.counts()
+    verdict = ", ".join(f"**{n} {k}**" if k in ("regressed", "failed") and n else f"{n} {k}" for k, n in c.items())
+    changed = [r for r in d.rows if r.status not in ("unchanged", "unmeasured")]
+    lines = [("❌ " if d.regressed else "✅ ") + verdict + f" (threshold {d.threshold * 100:g}%, and beyond "
+             "run-to-run noise: the default budget tolerances' absolute parts)", ""]
+    lines += _md_table(changed) if changed else ["No metric moved beyond the threshold."]
+    return ["> " + ln if ln else ">" for ln in lines]
+
+
+TABLES = {"cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff, "mid-matrix": mid_matrix}
 
 
 def main(argv: list[str]) -> int:

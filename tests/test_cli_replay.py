@@ -167,3 +167,28 @@ def test_expandable_what_if_on_a_cpu_captured_trace(tmp_path):
     es = out["simulated"]
     assert es["segment_allocs"] == [] and sum(es["segment_maps"]) == es["peak_reserved"]
     assert default["segment_allocs"] and es["peak_allocated"] <= default["peak_allocated"]
+
+
+def test_a_recorded_oom_in_pytorchs_layout_gives_the_capacity(tmp_path):
+    """PyTorch writes an oom entry's free device bytes under "device_free", with no "addr"
+    (memory_snapshot.cpp). Capacity = 120 MiB reserved + 30 MiB free: the fourth 40 MiB request fails
+    in the replay too, after one retry; without the capacity it would succeed and reserve 160 MiB."""
+    mib = 1 << 20
+    ev, segs = [], []
+    for k in range(3):
+        ev += [{"action": "segment_alloc", "addr": (k + 1) << 30, "size": 40 * mib, "stream": 0},
+               {"action": "alloc", "addr": (k + 1) << 30, "size": 40 * mib, "stream": 0}]
+        segs.append({"address": (k + 1) << 30, "total_size": 40 * mib, "allocated_size": 40 * mib, "stream": 0,
+                     "device": 0, "segment_type": "large",
+                     "blocks": [{"address": (k + 1) << 30, "size": 40 * mib, "requested_size": 40 * mib,
+                                 "state": "active_allocated"}]})
+    ev.append({"action": "oom", "device_free": 30 * mib, "size": 40 * mib, "stream": 0})
+    path = tmp_path / "oom.pickle"
+    path.write_bytes(pickle.dumps({"segments": segs, "device_traces": [ev], "allocator_settings": {}}))
+    for mode in ("--anchored", "--free-running"):
+        r = rlhfmem("replay", str(path), mode, "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["capacity"] == 150 * mib and out["capacity_source"] == "inferred from the trace's oom entries"
+        sim = out["simulated"]
+        assert (sim["ooms"], sim["alloc_retries"], sim["peak_reserved"]) == (1, 1, 120 * mib)

@@ -179,7 +179,7 @@ def test_oom_entry_gives_the_capacity_and_the_model_fails_the_same_request():
     for k in range(3):
         ev += [{"action": "segment_alloc", "addr": (k + 1) << 30, "size": 40 * MiB},
                {"action": "alloc", "addr": (k + 1) << 30, "size": 40 * MiB}]
-    ev.append({"action": "oom", "addr": 30 * MiB, "size": 40 * MiB, "stream": 0})
+    ev.append({"action": "oom", "device_free": 30 * MiB, "size": 40 * MiB, "stream": 0})  # PyTorch's layout
     segs = [{"address": (k + 1) << 30, "total_size": 40 * MiB, "allocated_size": 40 * MiB, "stream": 0,
              "segment_type": "large", "blocks": [{"address": (k + 1) << 30, "size": 40 * MiB,
                                                   "requested_size": 40 * MiB, "state": "active_allocated"}]}
@@ -202,7 +202,7 @@ def test_oom_after_the_retry_released_a_cached_segment():
                {"action": "alloc", "addr": (k + 1) << 30, "size": 40 * MiB}]
     ev += [{"action": "free_completed", "addr": 3 << 30, "size": 40 * MiB},
            {"action": "segment_free", "addr": 3 << 30, "size": 40 * MiB},
-           {"action": "oom", "addr": 50 * MiB, "size": 60 * MiB}]
+           {"action": "oom", "device_free": 50 * MiB, "size": 60 * MiB}]
     for k in range(2):
         segs.append({"address": (k + 1) << 30, "total_size": 40 * MiB, "allocated_size": 40 * MiB,
                      "segment_type": "large", "blocks": [{"address": (k + 1) << 30, "size": 40 * MiB,

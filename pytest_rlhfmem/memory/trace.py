@@ -119,10 +119,10 @@ def trace_from_snapshot(snap: dict, device: int | None = None, config: Allocator
     the moment of free, ``free_requested`` and ``snapshot`` entries are skipped, missing
     ``stream``/``time_us`` default to 0, blocks without ``address`` (older files) get the segment's
     address plus the sizes of the blocks before them, ``segment_map``/``segment_unmap`` (expandable
-    segments) and ``oom`` (its ``addr`` is the device's free bytes) are kept. Segments that existed
-    before the trace began are rebuilt from the final ``segments`` plus blocks freed in the trace that
-    were never allocated in it (their block size is the rounded request, extended over a gap the
-    allocator could not have left free). Allocations that landed in a private pool's segment
+    segments) and ``oom`` (the device's free bytes, PyTorch's ``device_free``, become its ``addr``) are
+    kept. Segments that existed before the trace began are rebuilt from the final ``segments`` plus blocks
+    freed in the trace that were never allocated in it (their block size is the rounded request, extended
+    over a gap the allocator could not have left free). Allocations that landed in a private pool's segment
     (``segment_pool_id`` other than (0, 0)) are bracketed by POOL_ENTER/POOL_EXIT markers.
     ``config`` gives the rounding (default: the snapshot's own ``allocator_settings``).
 
@@ -187,7 +187,10 @@ def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig
         act = get_act(e["action"])
         if act is not None:
             g = e.get
-            append(make((act, g("addr") or 0, g("size") or 0, g("stream") or 0, g("time_us") or 0, "")))
+            # an oom entry carries the device's free bytes under "device_free" and no "addr"
+            # (torch/csrc/cuda/memory_snapshot.cpp: TraceEntry::OOM writes device_free_s instead of addr_s)
+            addr = (g("device_free") if act == OOM and "device_free" in e else g("addr")) or 0
+            append(make((act, addr, g("size") or 0, g("stream") or 0, g("time_us") or 0, "")))
     try:  # every number must be a non-negative integer (array raises TypeError/OverflowError otherwise)
         for column in range(1, 5):
             array("Q", map(operator.itemgetter(column), events))
@@ -447,7 +450,10 @@ def write_snapshot(path: str | Path, trace: Trace, segments: list[dict], *, devi
             for a in ("free_requested", "free_completed"):
                 entries.append({"action": a, "addr": e.addr, "size": e.size, "stream": e.stream,
                                 "time_us": e.time_us, "frames": []})
-        elif e.action in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM):
+        elif e.action == OOM:  # PyTorch's layout: the free bytes under device_free, no addr
+            entries.append({"action": e.action, "device_free": e.addr, "size": e.size, "stream": e.stream,
+                            "time_us": e.time_us, "frames": []})
+        elif e.action in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP):
             entries.append({"action": e.action, "addr": e.addr, "size": e.size, "stream": e.stream,
                             "time_us": e.time_us, "frames": []})
         elif e.action == PHASE:

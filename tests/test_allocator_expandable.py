@@ -1,9 +1,15 @@
 """expandable_segments:True, case by case against the C++ (CUDACachingAllocator.cpp at 001074d25084):
 pages of 2 MiB (small pool) and 20 MiB (large pool) mapped on demand, unmapped by empty_cache."""
 
-from pytest_rlhfmem.memory.allocator import MiB, AllocatorConfig, CachingAllocatorModel, OutOfMemoryError
+import pickle
+import subprocess
+import sys
 
 import pytest
+
+from pytest_rlhfmem.memory.allocator import MiB, AllocatorConfig, CachingAllocatorModel, OutOfMemoryError
+from pytest_rlhfmem.memory.replay import replay
+from pytest_rlhfmem.memory.trace import trace_from_snapshot
 
 
 def model(conf: str = "expandable_segments:True", capacity: int | None = None) -> CachingAllocatorModel:
@@ -89,3 +95,22 @@ def test_what_if_on_the_clone_chain_of_the_reference():
         m.malloc(10 * MiB + 512)
     assert m.stats.reserved_bytes == 40 * MiB
     m.check_invariants()
+
+
+def test_a_snapshot_with_an_empty_trace_and_only_expandable_segments_replays_its_end_state(tmp_path):
+    """Nothing was recorded (device trace empty): the replay reports the state at the end and says agreement
+    is unavailable, as for the default allocator (it used to be refused: 'the trace maps 0')."""
+    mib = 1 << 20
+    seg = {"address": 1 << 30, "total_size": 40 * mib, "allocated_size": 30 * mib, "stream": 0, "device": 0,
+           "segment_type": "large", "is_expandable": True, "segment_pool_id": (0, 0),
+           "blocks": [{"address": 1 << 30, "size": 30 * mib, "requested_size": 30 * mib, "state": "active_allocated"},
+                      {"address": (1 << 30) + 30 * mib, "size": 10 * mib, "requested_size": 0, "state": "inactive"}]}
+    snap = {"segments": [seg], "device_traces": [[]], "allocator_settings": {"expandable_segments": True}}
+    result = replay(trace_from_snapshot(snap))
+    assert (result.final_reserved, result.final_allocated) == (40 * mib, 30 * mib)
+    path = tmp_path / "exp.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    r = subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", "replay", str(path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "agreement unavailable" in r.stdout and "final reserved                         40.00 MiB" in r.stdout

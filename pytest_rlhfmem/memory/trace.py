@@ -285,9 +285,11 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
     created: set[int] = set()
     pre_segments: dict[int, tuple[int, int, bool]] = {}  # addr -> (size, stream, is_small)
     mapped_in_trace = 0
+    n_rows = 0
     if rows is None:
         rows = ((e.action, e.addr, e.size, e.stream) for e in events)
     for action, addr, size, stream in rows:
+        n_rows += 1
         if action == ALLOC:
             live.add(addr)
         elif action == FREE:
@@ -307,6 +309,12 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
         elif action == SEGMENT_UNMAP:
             mapped_in_trace -= size
     expandable_at_end = sum(s["total_size"] for s in final_segments if s.get("is_expandable"))
+    if expandable_at_end and not n_rows:
+        # Nothing was recorded (empty device trace): there is no mapping decision to replay, only the state at the
+        # end. Its expandable segments' mapped pages enter as plain segments of their mapped size, so the replay
+        # reports that state and says agreement is unavailable, as for the default allocator.
+        final_segments = [{**s, "is_expandable": False} for s in final_segments]
+        expandable_at_end = 0
     if expandable_at_end != mapped_in_trace:
         raise SnapshotError(
             f"{source}: expandable segments hold {expandable_at_end} bytes at the end but the trace maps "

@@ -242,6 +242,10 @@ def test_advice_on_real_snapshots(name, tmp_path):
     if best == "none":  # nothing beats the program as it is: the advice says keep it
         assert "keep the program as it is" in s["recommendation"]["text"]
     else:
+        if best.startswith("setting:"):  # a snapshot records no torch version: the alias every version reads
+            assert s["recommendation"]["env"] == {
+                "variable": "PYTORCH_CUDA_ALLOC_CONF", "value": best.removeprefix("setting:"),
+                "why": "PyTorch version unknown: the alias every version reads (2.9 and later warn it is deprecated)"}
         pct = 100 * (best_peak - baseline_peak) / baseline_peak
         assert f"{pct:+.1f}% peak reserved" in s["recommendation"]["text"]
     assert not any(n["setting"] == "expandable_segments:True" for n in s["not_evaluated"])
@@ -306,3 +310,24 @@ def test_an_unmarked_script_gets_no_flush_after_run_and_is_told_to_mark_its_phas
                    capture_output=True)
     s = json.loads((tmp_path / "a.json").read_text())["scenarios"][0]
     assert s["hint"] and not any(c["id"].startswith("flush:") for c in s["candidates"])
+
+
+def test_a_setting_is_recommended_under_the_variable_the_runs_pytorch_reads(tmp_path):
+    """A snapshot records no torch version: the advice names PYTORCH_CUDA_ALLOC_CONF, which every version reads.
+    A result records its torch: 2.13 reads PYTORCH_ALLOC_CONF first (the alias is deprecated), so the same
+    trace as a result is advised under that name, in the text and the markdown report."""
+    from pytest_rlhfmem.advise.rendering import markdown, text_lines
+    from pytest_rlhfmem.memory.trace import load_snapshot, trace_from_snapshot
+
+    snap_doc = advise(shared_snapshot("eor_nn"), processes=1)
+    assert "  set it as: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  (PyTorch version unknown: the alias " \
+           "every version reads (2.9 and later warn it is deprecated))" in text_lines(snap_doc)
+    f = save_trace(tmp_path / f"trace-rank0{SUFFIX}", trace_from_snapshot(load_snapshot(shared_snapshot("eor_nn"))))
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps({"scenario_id": "eor", "capture": "cuda-memory-history", "scenario": {},
+                             "versions": {"torch": "2.13.0+cpu"}, "ranks": [{"rank": 0, "trace_file": str(f)}]}))
+    doc = advise(p, processes=1)
+    env = doc["scenarios"][0]["recommendation"]["env"]
+    assert env == {"variable": "PYTORCH_ALLOC_CONF", "value": "expandable_segments:True",
+                   "why": "torch 2.13 reads PYTORCH_ALLOC_CONF first; PYTORCH_CUDA_ALLOC_CONF is its deprecated alias"}
+    assert "Set it as `PYTORCH_ALLOC_CONF=expandable_segments:True`" in markdown(doc)

@@ -3,7 +3,7 @@
 import pytest
 
 from pytest_rlhfmem.memory.allocator import (
-    MiB, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, OutOfMemoryError,
+    MiB, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, OutOfMemoryError, alloc_conf_variable,
 )
 
 
@@ -132,3 +132,24 @@ def test_garbage_collection_threshold_frees_old_cached_blocks():
     assert m.stats.num_device_free >= 1
     assert m.stats.num_alloc_retries == 0
     m.check_invariants()
+
+
+@pytest.mark.parametrize(("version", "conf", "variable"), [
+    ("2.8.0", "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF"),  # before 2.9: the only name
+    ("2.9.1+cu128", "max_split_size_mb:128", "PYTORCH_ALLOC_CONF"),
+    ("2.9.1+cu128", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF"),  # pytorch issue 183387
+    ("2.10.0", "expandable_segments:True", "PYTORCH_ALLOC_CONF"),
+    ("2.13.0+cpu", "garbage_collection_threshold:0.8", "PYTORCH_ALLOC_CONF"),
+    (None, "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF"),  # unknown: the alias every version reads
+])
+def test_the_allocator_variable_a_pytorch_version_reads(version, conf, variable):
+    assert alloc_conf_variable(version, conf)[0] == variable
+
+
+def test_both_variable_names_are_accepted_as_settings():
+    want = AllocatorConfig.parse("max_split_size_mb:128")
+    for pasted in ("PYTORCH_ALLOC_CONF=max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:128'"):
+        assert AllocatorConfig.parse(pasted).max_split_size == want.max_split_size == 128 * MiB
+    # a snapshot of PyTorch >= 2.9 may carry the new name; it wins over the alias, as in AllocatorConfig.cpp
+    both = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    assert AllocatorConfig.from_snapshot_settings(both).max_split_size == 64 * MiB

@@ -124,6 +124,7 @@ class ScenarioInput:
     measured_flush_s: list[float] = field(default_factory=list)  # CUDA: durations of the recorded flushes
     flush_segments_released: int = 0
     flush_policy: str | None = None
+    torch_version: str | None = None  # the run's torch (a result's versions); None for a snapshot pickle
 
 
 def _rank_input(rank: int, trace: Trace) -> RankInput:
@@ -174,7 +175,8 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
             out.append(ScenarioInput(r["scenario_id"], r.get("capture") or ranks[0].trace.capture, ranks,
                                      measured=r.get("metrics"), measured_flush_s=measured_s,
                                      flush_segments_released=released,
-                                     flush_policy=(r.get("scenario") or {}).get("flush")))
+                                     flush_policy=(r.get("scenario") or {}).get("flush"),
+                                     torch_version=(r.get("versions") or {}).get("torch")))
         return out
     try:
         snap = load_snapshot(p)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..memory.allocator import alloc_conf_variable
 from ..memory.events import CAPTURE_CUDA
 from ..units import format_size
 from .candidates import (
@@ -187,7 +188,7 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
         "search": {"method": "greedy forward selection over boundaries before the current peak",
                    "max_flushes": max_flushes, "steps": search_steps},
         "premise": _premise(si, evaluator, rows_by_id),
-        "recommendation": _recommend(ranked[0], base),
+        "recommendation": _recommend(ranked[0], base, si.torch_version),
         "budget": _fit_budget(ranked, base, budget) if budget is not None else None,
         "top": top,
         "replays": evaluator.replays,
@@ -228,14 +229,20 @@ def _premise(si: ScenarioInput, ev: Evaluator, rows: dict) -> dict:
     return out
 
 
-def _recommend(best: dict, base: dict) -> dict:
+def _recommend(best: dict, base: dict, torch_version: str | None = None) -> dict:
+    """The best candidate in words; a setting also names the environment variable the run's PyTorch reads
+    (``env``: ``allocator.alloc_conf_variable``; unknown version for a snapshot)."""
     if best["peak_reserved"] >= base["peak_reserved"] or best["id"] == "none":
         return {"candidate": "none", "text": (f"no flush placement or evaluated setting lowers peak reserved below "
                                                f"{format_size(base['peak_reserved'])}: keep the program as it is")}
     text = (f"{best['description']}: {best['delta_peak_pct']:+.1f}% peak reserved "
             f"({format_size(base['peak_reserved'])} -> {format_size(best['peak_reserved'])}), "
             f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree")
-    return {"candidate": best["id"], "text": text}
+    out = {"candidate": best["id"], "text": text}
+    if best["alloc_conf"]:
+        variable, why = alloc_conf_variable(torch_version, best["alloc_conf"])
+        out["env"] = {"variable": variable, "value": best["alloc_conf"], "why": why}
+    return out
 
 
 def _fit_budget(ranked: list[dict], base: dict, budget: int) -> dict:

@@ -30,8 +30,9 @@ def text_lines(doc: dict, top: int = 8) -> list[str]:
     """The human report: per scenario the top rows, the study's policies beside them, the recommendation."""
     lines = []
     for s in doc["scenarios"]:
-        label = "simulated: CPU trace replayed through the allocator model" if s["simulated"] else \
-            "CUDA trace replayed through the allocator model (free-running)"
+        label = ("CUDA trace replayed through the allocator model (free-running)" if not s["simulated"] else
+                 "simulated: CPU trace replayed through the allocator model" if s["capture"] == "cpu-trace-simulated"
+                 else f"simulated: {s['capture']} trace replayed through the allocator model")
         lines.append(f"{s['scenario_id']}: {s['ranks']} rank(s), {sum(s['events'])} events, "
                      f"{len(s['boundaries'])} flush boundaries ({s['boundary_kind']}); {label}")
         if s.get("hint"):
@@ -63,6 +64,8 @@ def text_lines(doc: dict, top: int = 8) -> list[str]:
             lines.append(f"  check: {mc['note']} (measured {format_size(mc['measured_peak_reserved'])}, replayed "
                          f"{format_size(mc['replayed_peak_reserved'])})")
         lines.append(f"  recommendation: {s['recommendation']['text']}")
+        if env := s["recommendation"].get("env"):
+            lines.append(f"  set it as: {env['variable']}={env['value']}  ({env['why']})")
         if s["budget"]:
             lines.append(f"  budget: {s['budget']['text']}")
         lines.append(f"  ({s['replays']} replays in {s['seconds']:.1f} s; cost = extra calls and bytes vs no "
@@ -81,8 +84,12 @@ def markdown(doc: dict, top: int = 8) -> str:
     for s in doc["scenarios"]:
         out += [f"## `{s['scenario_id']}`", "",
                 ("_simulated: a CPU allocation trace replayed through the CUDA caching allocator model_"
+                 if s["simulated"] and s["capture"] == "cpu-trace-simulated" else
+                 f"_simulated: a {s['capture']} trace replayed through the CUDA caching allocator model_"
                  if s["simulated"] else "_a CUDA trace replayed through the allocator model (free-running)_"), "",
                 f"**Recommendation:** {s['recommendation']['text']}", ""]
+        if env := s["recommendation"].get("env"):
+            out += [f"Set it as `{env['variable']}={env['value']}` ({env['why']}).", ""]
         if s.get("hint"):
             out += [f"_{s['hint']}_", ""]
         if s["budget"]:

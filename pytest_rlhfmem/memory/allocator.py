@@ -49,6 +49,32 @@ kRoundUpPowerOfTwoIntervals = 16  # buckets 1 MiB .. 32 GiB+ of roundup_power2_d
 UNLIMITED = 2**63 - 1  # std::numeric_limits<size_t>::max() stand-in for max_split_size
 
 
+# The environment variables the caching allocator reads its settings from. PyTorch 2.9 made PYTORCH_ALLOC_CONF
+# the primary name (c10/core/AllocatorConfig.h, PR 149601) and PYTORCH_CUDA_ALLOC_CONF a deprecated alias
+# read when the new one is unset ("PYTORCH_CUDA_ALLOC_CONF is deprecated, use PYTORCH_ALLOC_CONF instead",
+# AllocatorConfig.cpp); in 2.9.x expandable_segments is read from the alias only (pytorch issue 183387).
+ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def alloc_conf_variable(torch_version: str | None, conf: str = "") -> tuple[str, str]:
+    """``(variable, why)``: the environment variable a given PyTorch version honours for ``conf``.
+
+    ``torch_version`` like ``"2.13.0+cpu"``; ``None`` (unknown, e.g. a snapshot) answers the alias, which every
+    version up to now reads. Before 2.9 only ``PYTORCH_CUDA_ALLOC_CONF`` exists; 2.9.x reads ``PYTORCH_ALLOC_CONF``
+    first but takes ``expandable_segments`` from the alias only; from 2.10 ``PYTORCH_ALLOC_CONF``.
+    """
+    old, new = "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"
+    try:
+        major, minor = (int(x) for x in (torch_version or "").split("+")[0].split(".")[:2])
+    except ValueError:
+        return old, "PyTorch version unknown: the alias every version reads (2.9 and later warn it is deprecated)"
+    if (major, minor) < (2, 9):
+        return old, f"torch {major}.{minor} reads only {old}"
+    if (major, minor) == (2, 9) and "expandable_segments" in conf:
+        return old, f"torch 2.9 reads expandable_segments from {old} only (pytorch issue 183387)"
+    return new, f"torch {major}.{minor} reads {new} first; {old} is its deprecated alias"
+
+
 class AllocatorConfigError(ValueError):
     """A ``PYTORCH_CUDA_ALLOC_CONF`` string the model cannot accept; the message names the key."""
 
@@ -92,11 +118,16 @@ class AllocatorConfig:
 
     @classmethod
     def parse(cls, conf: str | None) -> AllocatorConfig:
-        """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` string strictly (``CUDAAllocatorConfig::parseArgs``).
+        """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` string strictly
+        (``CUDAAllocatorConfig::parseArgs``). A pasted environment assignment (``PYTORCH_ALLOC_CONF=...`` or
+        ``PYTORCH_CUDA_ALLOC_CONF=...``) is accepted: its value is parsed.
 
         Raises :class:`AllocatorConfigError` naming the offending key and the allowed forms for an
         unknown key or a malformed value.
         """
+        for name in ALLOC_CONF_VARIABLES:
+            if conf and conf.strip().startswith(name + "="):
+                conf = conf.strip()[len(name) + 1:].strip("'\"")
         if not conf or not conf.strip():
             return cls()
         kw: dict = {"source": conf}
@@ -151,7 +182,8 @@ class AllocatorConfig:
         """Rebuild the config from a snapshot's ``allocator_settings`` (torch >= 2.3); ``None`` -> defaults."""
         if not settings:
             return cls()
-        conf = settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+        # PyTorch >= 2.9 reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF as its alias
+        conf = settings.get("PYTORCH_ALLOC_CONF") or settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
         config = cls.parse(conf)
         if settings.get("expandable_segments") is True and not config.expandable_segments:
             # set through torch.cuda.memory._set_allocator_settings: the flag is in the settings only

@@ -128,7 +128,8 @@ def _seg(addr, size, blocks):
         ({"segments": [_seg(1 << 30, 20 << 20, [{"size": 1 << 20, "state": "inactive"}])], "device_traces": [[]]},
          [], "blocks add up to 1048576 bytes, not its total_size 20971520"),
         ({"segments": [dict(_seg(1 << 30, 20 << 20, [{"address": 1 << 30, "size": 20 << 20, "state": "inactive"}]),
-                            is_expandable=True)], "device_traces": [[]]},
+                            is_expandable=True)],  # the trace allocates but maps nothing (an empty trace replays)
+          "device_traces": [[{"action": "alloc", "addr": 1 << 30, "size": 1 << 20}]]},
          [], "pages mapped before the trace began cannot be rebuilt"),
         ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": "lots"}]]}, [],
          "malformed snapshot entry"),

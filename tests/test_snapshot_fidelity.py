@@ -216,3 +216,26 @@ def test_oom_after_the_retry_released_a_cached_segment():
         assert [len(b) for b in result.segment_free_batches] == [1] and not result.flush_points
         assert agreement(rec, result, True)["segment_free_batches_equal"]
         assert result.final_reserved == rec.final_reserved == 80 * MiB
+
+
+def test_a_pre_trace_block_owns_the_unsplit_remainder_that_a_recorded_block_start_proves():
+    """A block allocated before the trace began (8 MiB requested) carried a 983,040 B remainder the GPU never
+    split off (<= 1 MiB, CUDACachingAllocator.cpp should_split); the trace proves it: while that block is still
+    allocated, a block starts 983,040 B after its rounded end. Rebuilt at its rounded size, the remainder would
+    be a free block the next request takes, and final allocated would be 983,040 B short."""
+    seg = 1 << 30
+    a_size = 8 * MiB + 983_040  # the pre-trace block as the GPU holds it
+    x_req = 40 * MiB - a_size - 983_040  # leaves a 983,040 B remainder: not split either
+    ev = [{"action": "alloc", "addr": seg + a_size, "size": x_req, "stream": 0},
+          {"action": "free_completed", "addr": seg, "size": 8 * MiB, "stream": 0}]
+    segs = [{"address": seg, "total_size": 40 * MiB, "allocated_size": 40 * MiB - a_size, "stream": 0,
+             "segment_type": "large",
+             "blocks": [{"address": seg, "size": a_size, "requested_size": 0, "state": "inactive"},
+                        {"address": seg + a_size, "size": 40 * MiB - a_size, "requested_size": x_req,
+                         "state": "active_allocated"}]}]
+    trace = trace_from_snapshot(_snap(ev, segs))
+    assert trace.initial_segments[0].live_blocks == [(seg, a_size, 8 * MiB)]
+    for mode in ("anchored", "free-running"):
+        for engine in ("python", "compiled"):
+            result = replay(trace, mode=mode, engine=engine, record_series=False)
+            assert (result.final_reserved, result.final_allocated) == (40 * MiB, 40 * MiB - a_size), (mode, engine)

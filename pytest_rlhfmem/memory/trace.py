@@ -288,15 +288,19 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
     n_rows = 0
     if rows is None:
         rows = ((e.action, e.addr, e.size, e.stream) for e in events)
+    starts_seen: list[tuple[int, int]] = []  # (address, event index) of every allocation: proven block starts
+    freed_at: dict[int, int] = {}  # a pre-trace block -> the index of the free that ended it
     for action, addr, size, stream in rows:
         n_rows += 1
         if action == ALLOC:
             live.add(addr)
+            starts_seen.append((addr, n_rows))
         elif action == FREE:
             if addr in live:
                 live.discard(addr)
             else:
                 pre_live[addr] = (size, stream)
+                freed_at.setdefault(addr, n_rows)
         elif action == SEGMENT_ALLOC:
             created.add(addr)
         elif action == SEGMENT_FREE:
@@ -356,6 +360,18 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
         if seg is not None:  # else: allocated in the trace in a segment created in the trace
             by_segment[seg].append((addr, size, req))
 
+    starts_seen.sort()
+
+    def proven_end(addr: int, limit: int) -> int:
+        """The lowest block start above ``addr`` (below ``limit``) that an allocation proved while the block at
+        ``addr`` was still allocated: that block cannot reach past it."""
+        k = bisect.bisect_right(starts_seen, (addr, n_rows + 1))
+        while k < len(starts_seen) and starts_seen[k][0] < limit:
+            if starts_seen[k][1] < freed_at.get(addr, n_rows + 1):
+                return starts_seen[k][0]
+            k += 1
+        return limit
+
     model = CachingAllocatorModel(config)
     out = []
     for seg_addr in starts:
@@ -365,7 +381,10 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
         for i, (addr, bsize, req) in enumerate(blocks):
             if bsize is None:
                 bsize = model.round_size(req)
-                boundary = blocks[i + 1][0] if i + 1 < len(blocks) else seg_addr + size
+                # the next block start known: the next pre-trace block, or an allocation made in the trace
+                # while this block was allocated (CUDACachingAllocator.cpp never leaves a free large-pool block
+                # of <= kSmallSize: such a remainder belongs to the block before it)
+                boundary = proven_end(addr, blocks[i + 1][0] if i + 1 < len(blocks) else seg_addr + size)
                 gap = boundary - (addr + bsize)
                 # A large-pool block is not split when the remainder is <= 1 MiB (or, for a request
                 # >= max_split_size, below max_non_split_rounding): the block then owns that gap.

@@ -126,6 +126,9 @@ class RankCapture:
     # what else shaped the capture, merged into the result's capture_description (e.g. the recipe's
     # answer to DeepSpeed's dtype checks, hostcpu.py); the same on every host, so budgets compare
     description: dict = field(default_factory=dict)
+    # per-run records that are not part of the comparable description (e.g. the simulated CUDA device's
+    # .item() call sites, which name files): a callable returning a dict merged into the result at finish
+    extra: Any = None
     rec: Any = None
     _t0: float = 0.0
     _progress: Path = field(init=False)
@@ -194,6 +197,8 @@ class RankCapture:
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
         result["exit_phase"] = exit_phase  # where the program was when it ended (an exit status names it)
         result["capture_description"] = {**result["capture_description"], **self.description}
+        if callable(self.extra):
+            result.update(self.extra())
         result["host_cpu"] = host_cpu_profile(self.threads)  # what of the host could move a figure
         attach_host(result, rec.host)
         if self.capture:  # the program's own trace, for `rlhfmem advise` and the flush cost

@@ -46,6 +46,12 @@ def test_every_torch_cuda_call_of_a_profiling_script_runs_and_answers_from_the_s
     assert fig["elapsed_ms"] == 0.0 and fig["item"] == 1.0 and fig["any"] is False  # named answers
     described = result["capture_description"]["simulated_cuda_device"]
     assert described["scalar_answers"] == {"bool": 1, "float": 1}
+    sites = result["ranks"][0]["scalar_answers"]  # the lines of the script that took a fixed answer
+    line = next(i for i, ln in enumerate((COMMANDS / "cuda_functions.py").read_text().splitlines(), 1)
+                if ln.startswith("answers = "))
+    where = f"{COMMANDS / 'cuda_functions.py'}:{line}"
+    assert sites == {f"{where} item": {"call": "item", "dtype": "float32", "answer": 1.0, "count": 1},
+                     f"{where} __bool__": {"call": "__bool__", "dtype": "bool", "answer": False, "count": 1}}
     assert described["cublas_workspaces"] == 2  # the forward on the side stream, autograd's thread
     # the dumped snapshot is PyTorch's format: torch.cuda._memory_viz reads it, and it holds the state the
     # script saw when it dumped (after empty_cache)

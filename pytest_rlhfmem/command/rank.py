@@ -64,16 +64,17 @@ def start_command_capture() -> None:
         # before memory history is switched on, and the context must not land on device 0 for every rank.
         torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
         torch.cuda.init()
-    description = {}
+    description, extra = {}, None
     if device == "cuda-sim":  # the user's CUDA script on the simulated device: torch.cuda answered first
-        from .sim_device import install
+        from .sim_device import SCALAR_SITES, install
 
         description["torch_cuda_answered"] = install(lambda: _command_capture.rec)
+        extra = lambda: {"scalar_answers": SCALAR_SITES.sites}  # noqa: E731 - file:line names: not compared
     world_size = int(env.get("WORLD_SIZE", env.get(ENV_WORLD_SIZE, "1")))
     ident = CommandIdentity(env.get(ENV_ID, "command"), tuple(json.loads(env.get(ENV_COMMAND, "[]"))), world_size)
     cap = RankCapture(ident, device, Path(out), rank, world_size, root=ROOT_PHASE,
                       snapshot_dir=env.get(ENV_SNAPSHOT_DIR) or None,
-                      cuda_emulation=env.get(ENV_CUDA_EMULATION, "on"), description=description)
+                      cuda_emulation=env.get(ENV_CUDA_EMULATION, "on"), description=description, extra=extra)
     cap.progress("startup")
     cap.start()
     _command_capture = cap

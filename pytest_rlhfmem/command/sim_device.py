@@ -168,10 +168,43 @@ class Event:
         return 0.0
 
 
+class ScalarSites:
+    """Where the script asked a device tensor for a value (``.item()``, ``bool()``, ``int()``, ``float()``,
+    ``.tolist()``): ``"file:line call"`` of the caller -> ``{"call", "dtype", "answer", "count"}``. The simulated device
+    has no values; the C++ answers by dtype (false, 1.0, 2**62; 0 for int8/uint8) and counts by dtype, this
+    names the lines, so a reader sees which branch of the script took a fixed answer."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, dict] = {}
+
+    def install(self, torch: Any) -> None:
+        import sys
+
+        for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t: Any, *a: Any, _original: Any = original, _name: str = name, **k: Any) -> Any:
+                value = _original(t, *a, **k)
+                if getattr(t, "is_cuda", False):
+                    f = sys._getframe(1)
+                    site = f"{f.f_code.co_filename}:{f.f_lineno} {_name}"
+                    entry = self.sites.setdefault(site, {"call": _name, "dtype": str(t.dtype).replace("torch.", ""),
+                                                         "answer": value if _name != "tolist" else "list",
+                                                         "count": 0})
+                    entry["count"] += 1
+                return value
+
+            wrapper.__name__ = name
+            setattr(torch.Tensor, name, wrapper)
+
+
 def _device() -> Any:
     import torch
 
     return torch.device("cuda", 0)
+
+
+SCALAR_SITES = ScalarSites()
 
 
 def install(get_rec: Any) -> list[str]:
@@ -249,4 +282,6 @@ def install(get_rec: Any) -> list[str]:
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         setattr(cuda.nvtx, name, noop_fn())
     names.append("nvtx")
+    SCALAR_SITES.install(torch)
+    names.append("Tensor.item/__bool__/__int__/__float__/tolist: call sites counted")
     return names

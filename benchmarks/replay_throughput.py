@@ -16,7 +16,12 @@ ranks' traces). For each input and each replay engine (``compiled``: ``memory/cs
   decompress, columns), ``replay`` (the engine, as the command runs it) and ``metrics``
   (``recorded_summary_columns`` + ``agreement`` + the JSON object + ``json.dumps``), so the bound is named;
 - ``expandable_segments:True`` (the advisor's what-if; the Python model replays it), and the real GPU
-  snapshots of ../shared/snapshots (or $RLHFMEM_SNAPSHOTS_DIR; never committed here).
+  snapshots of ../shared/snapshots (or $RLHFMEM_SNAPSHOTS_DIR; never committed here);
+- the pickle's READER (issue 22): the whole command on the same 1M-event pickle with the compiled snapshot
+  reader (``memory/csrc/snapshot_reader.cpp``, the default) and with Python's unpickler
+  (``RLHFMEM_SNAPSHOT_READER=python``, the path before it), compiled engine both times.
+
+``--pickle-only`` times just the synthetic pickle (both readers, compiled engine).
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from pathlib import Path
 from pytest_rlhfmem.memory.allocator import AllocatorConfig
 from pytest_rlhfmem.memory.replay import agreement, replay, replay_columns, replay_json
 from pytest_rlhfmem.memory.replay_engine import load_columns_for_replay, recorded_summary_columns
-from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, FREE, Event, Trace, write_snapshot
-from pytest_rlhfmem.memory.trace_io import save_trace
+from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, FREE, Event, Trace, snapshot_columns_for_replay, write_snapshot
+from pytest_rlhfmem.memory.trace_io import is_trace_file, save_trace
 from pytest_rlhfmem.shared_snapshots import snapshot_path
 
 
@@ -73,7 +78,12 @@ def best(fn, repeat: int) -> tuple[float, object]:
 
 def in_process(path: Path, repeat: int, conf: str | None, engine: str = "auto") -> dict:
     """load / replay / metrics seconds of one replay of ``path``, as the CLI runs it (free-running)."""
-    t_load, (cols, recorded_config) = best(lambda: load_columns_for_replay(str(path)), repeat)
+    def load():  # as the command reads its input (cli.py)
+        if is_trace_file(path):
+            return load_columns_for_replay(str(path))
+        return snapshot_columns_for_replay(str(path))[:2]
+
+    t_load, (cols, recorded_config) = best(load, repeat)
     config = AllocatorConfig.parse(conf) if conf else recorded_config
     t_replay, result = best(lambda: replay_columns(cols, config=config, mode="free-running", engine=engine), repeat)
 
@@ -90,20 +100,44 @@ def in_process(path: Path, repeat: int, conf: str | None, engine: str = "auto") 
             "bound_by": max(("load", t_load), ("replay", t_replay), ("metrics", t_metrics), key=lambda x: x[1])[0]}
 
 
-def whole_command(path: Path, n: int, conf: str | None, engine: str, repeat: int) -> dict:
+def whole_command(path: Path, n: int, conf: str | None, engine: str, repeat: int, reader: str = "compiled") -> dict:
+    """Wall time of ``rlhfmem replay`` in a subprocess; ``reader``: the pickle's reader (``python``: Python's
+    unpickler, as before the compiled reader)."""
     cmd = [sys.executable, "-m", "pytest_rlhfmem.cli", "replay", str(path), "--free-running", "--json",
            "--engine", engine]
     if conf:
         cmd += ["--alloc-conf", conf]
-    walls = []
+    env = dict(os.environ)
+    env.pop("RLHFMEM_SNAPSHOT_READER", None)
+    if reader == "python":
+        env["RLHFMEM_SNAPSHOT_READER"] = "python"
+    walls, cpus, used = [], [], None
     for _ in range(repeat):
+        r0 = os.times()
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         walls.append(time.perf_counter() - t0)
+        r1 = os.times()
+        cpus.append(r1.children_user + r1.children_system - r0.children_user - r0.children_system)
         if p.returncode != 0:
             raise SystemExit(f"replay failed: {p.stderr.strip()}")
-    return {"whole_command_s": [round(w, 3) for w in walls],
-            "whole_command_events_per_s": [round(n / w) for w in walls]}
+        used = json.loads(p.stdout).get("snapshot_reader")
+    out = {"whole_command_s": [round(w, 3) for w in walls],
+           "whole_command_events_per_s": [round(n / w) for w in walls],
+           "whole_command_cpu_s": [round(c, 3) for c in cpus]}
+    if used is not None:
+        out["snapshot_reader"] = used
+    return out
+
+
+def reader_rows(pickle_path: Path, n: int, repeat: int) -> dict:
+    """The whole command on ``pickle_path`` with each reader (compiled engine)."""
+    rows = {}
+    for reader in ("python", "compiled"):
+        row = {"events": n, "engine": "compiled", "reader": reader}
+        row.update(whole_command(pickle_path, n, None, "compiled", repeat, reader))
+        rows[f"synthetic pickle, {reader} reader"] = row
+    return rows
 
 
 def main() -> int:
@@ -113,6 +147,8 @@ def main() -> int:
     ap.add_argument("--python-engine", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the Python engine (slow: about 10 s a run)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pickle-only", action="store_true",
+                    help="only the synthetic pickle's whole command, with each reader (compiled engine)")
     a = ap.parse_args()
     out: dict = {"loadavg_before": os.getloadavg()}
     rows: dict = {}
@@ -122,6 +158,10 @@ def main() -> int:
         sim = replay(trace, record_series=False, record_events=True)
         pickle_path = write_snapshot(Path(tmp) / "synthetic.pickle",
                                      Trace(events=sim.events or [], capture=trace.capture), sim.segments)
+        n_pickle = sum(e.action in (ALLOC, FREE) for e in trace.events)
+        rows.update(reader_rows(pickle_path, n_pickle, a.repeat))
+        if a.pickle_only:
+            return report(out, rows, a.json)
         engines = ("compiled", "python") if a.python_engine else ("compiled",)
         for label, path in (("rlhftrace", rlhftrace), ("pickle", pickle_path)):
             for engine in engines:
@@ -138,19 +178,28 @@ def main() -> int:
             print(f"{name}: skipped, {p} not found")
             continue
         rows[name] = in_process(p, a.repeat, None)
+    return report(out, rows, a.json)
+
+
+def report(out: dict, rows: dict, json_path: str | None) -> int:
     out["rows"] = rows
     out["loadavg_after"] = os.getloadavg()
     print(f"{'workload':46s} {'events':>9s} {'engine':>8s} {'load s':>7s} {'replay s':>8s} {'metrics s':>9s} "
-          f"{'bound':>7s} {'in-process ev/s':>15s}  whole command s (ev/s)")
+          f"{'bound':>7s} {'in-process ev/s':>15s}  whole command s (ev/s) [cpu s]")
     for k, v in rows.items():
-        whole = ", ".join(f"{s:.2f} ({e:,d})" for s, e in zip(v.get("whole_command_s", []),
-                                                              v.get("whole_command_events_per_s", [])))
+        whole = ", ".join(f"{s:.2f} ({e:,d})" + (f" [{c:.2f}]" if c is not None else "")
+                          for s, e, c in zip(v.get("whole_command_s", []), v.get("whole_command_events_per_s", []),
+                                             v.get("whole_command_cpu_s", [None] * 99)))
+        if "load_s" not in v:
+            print(f"{k:46s} {v['events']:>9,d} {v['engine']:>8s} {'-':>7s} {'-':>8s} {'-':>9s} {'-':>7s} {'-':>15s}  "
+                  f"{whole or '-'}")
+            continue
         print(f"{k:46s} {v['events']:>9,d} {v['engine']:>8s} {v['load_s']:>7.2f} {v['replay_s']:>8.2f} "
               f"{v['metrics_s']:>9.2f} {v['bound_by']:>7s} {v['events_per_s_in_process']:>15,d}  {whole or '-'}")
     print(f"load average before/after: {out['loadavg_before']} / {out['loadavg_after']}")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=1))
     return 0
 
 

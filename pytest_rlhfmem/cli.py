@@ -19,13 +19,19 @@ def _replay(args: argparse.Namespace) -> int:
     from .memory.allocator import AllocatorConfig, AllocatorConfigError
     from .memory.replay import ANCHORED, ReplayError, agreement, replay_columns, replay_json
     from .memory.replay_engine import load_columns_for_replay, recorded_summary_columns
-    from .memory.trace import SnapshotError
-    from .memory.trace_io import TraceFileError
+    from .memory.trace import SnapshotError, snapshot_columns_for_replay
+    from .memory.trace_io import TraceFileError, is_trace_file
 
+    reader = None
     try:
         config = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else None
-        # a snapshot pickle or an .rlhftrace file, as columns (replay_engine.py)
-        trace, recorded_config = load_columns_for_replay(args.snapshot, args.device)
+        # an .rlhftrace file (replay_engine.py) or a snapshot pickle (the compiled snapshot reader), as columns
+        if is_trace_file(args.snapshot):
+            trace, recorded_config = load_columns_for_replay(args.snapshot, args.device)
+        else:
+            trace, recorded_config, reader = snapshot_columns_for_replay(args.snapshot, args.device)
+            if "unavailable" in reader:
+                print(f"rlhfmem: note: {reader[len('python ('):-1]}; the pickle was read in Python", file=sys.stderr)
         config = config or recorded_config
         capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
         result = replay_columns(trace, config=config, mode=args.mode, capacity=capacity, engine=args.engine)
@@ -38,6 +44,8 @@ def _replay(args: argparse.Namespace) -> int:
     agree = agreement(rec, result, trace.has_segment_events())
     if args.json:
         out = replay_json(args.snapshot, args.mode, config, trace, result, rec, agree)
+        if reader is not None:
+            out["snapshot_reader"] = reader
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -57,7 +65,8 @@ def _replay(args: argparse.Namespace) -> int:
     ]
     print(f"{args.snapshot}: device {trace.device}, {len(trace)} events, replay {args.mode}"
           + (f", alloc-conf {config.source!r}" if args.alloc_conf is not None else "")
-          + f", {result.engine} engine ({result.engine_reason})")
+          + f", {result.engine} engine ({result.engine_reason})"
+          + (f", pickle read by the {reader} reader" if reader is not None else ""))
     w = max(len(r[0]) for r in rows)
     print(f"{'':{w}}  {'recorded':>14}  {'simulated':>14}")
     for name, r, s in rows:

@@ -18,6 +18,7 @@ import functools
 import gc
 import io
 import operator
+import os
 import pickle
 from array import array
 from collections.abc import Iterable
@@ -35,13 +36,15 @@ from .events import (
     PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
     SIMULATED_CAPTURES, Event, SegmentState, Trace,
 )
+from .snapshot_reader import PYTHON_READER, ReaderUnavailable, SnapshotEntries, parse_snapshot
 
 __all__ = [  # the snapshot format's own names, and the trace's types callers import from here
     "ALLOC", "CAPTURE_CPU_SIMULATED", "CAPTURE_CUDA", "CAPTURE_FAKE_CUDA_SIMULATED", "CAPTURE_SIM_CUDA_SIMULATED",
     "CAPTURE_SYNTHETIC", "FLUSH",
     "FREE", "OOM", "PHASE", "PHASE_END", "POOL_ENTER", "POOL_EXIT", "POOL_RELEASE", "SEGMENT_ALLOC", "SEGMENT_FREE",
     "SEGMENT_MAP", "SEGMENT_UNMAP", "SIMULATED_CAPTURES", "Event", "SegmentState", "SnapshotError", "Trace",
-    "columns_from_snapshot", "load_snapshot", "trace_from_snapshot", "write_snapshot",
+    "columns_from_snapshot", "load_snapshot", "load_snapshot_columnar", "snapshot_columns_for_replay",
+    "trace_from_snapshot", "write_snapshot",
 ]
 
 
@@ -64,10 +67,18 @@ def load_snapshot(path: str | Path) -> dict:
     nothing executed), or a pickle that is not a snapshot.
     """
     p = Path(path)
+    return _unpickle_snapshot(p, _read_snapshot_bytes(p))
+
+
+def _read_snapshot_bytes(p: Path) -> bytes:
     try:
-        data = p.read_bytes()
+        return p.read_bytes()
     except OSError as exc:
         raise SnapshotError(f"{p}: cannot read: {exc.strerror or exc}") from None
+
+
+def _unpickle_snapshot(p: Path, data: bytes, check: bool = True) -> Any:
+    """load_snapshot's unpickling of ``data`` (the file ``p``), its messages and (``check``) its test."""
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a million dicts: the cyclic GC would scan them again and again (3x the unpickling time)
     try:
@@ -80,16 +91,74 @@ def load_snapshot(path: str | Path) -> dict:
         if "truncated" in msg:
             raise SnapshotError(f"{p}: truncated or corrupt pickle ({msg})") from None
         raise SnapshotError(f"{p}: not a valid pickle ({msg})") from None
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError) as exc:
+    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError, OverflowError) as exc:
         raise SnapshotError(f"{p}: truncated or corrupt pickle ({type(exc).__name__}: {exc})") from None
     finally:
         if gc_was_enabled:
             gc.enable()
+    if check:
+        _check_snapshot(p, snap)
+    return snap
+
+
+def _check_snapshot(p: Path, snap: Any) -> None:
     if not isinstance(snap, dict) or "segments" not in snap or not isinstance(snap.get("segments"), list):
         kind = type(snap).__name__
         raise SnapshotError(f"{p}: not a torch.cuda.memory._snapshot() pickle (a {kind} without a "
                             "'segments' list)")
-    return snap
+
+
+def load_snapshot_columnar(path: str | Path) -> tuple[dict, str]:
+    """:func:`load_snapshot` for the columnar path: ``(snapshot, reader)``, the pickle read by the compiled
+    reader (``csrc/snapshot_reader.cpp``, via ``snapshot_reader.py``) when it builds here.
+
+    The snapshot is load_snapshot's dict except that each device trace the compiled reader read is a
+    :class:`~.snapshot_reader.SnapshotEntries` (its kept entries as columns; iterating it yields them as
+    dicts, so :func:`trace_from_snapshot` reads it as the list) instead of a list of entry dicts: for
+    :func:`columns_from_snapshot` and :func:`trace_from_snapshot`, not for callers reading other entries.
+    ``reader``: ``"compiled"``, or ``"python (<why>)"`` when Python's Unpickler read the file (no compiler,
+    or a stream the compiled reader declines: truncated, damaged, unusual; Python then gives today's
+    message; or ``RLHFMEM_SNAPSHOT_READER=python`` in the environment). A pickle naming a global (or using
+    REDUCE, BUILD, ...) is refused by the compiled reader itself, with load_snapshot's message. Raises
+    :class:`SnapshotError`.
+    """
+    p = Path(path)
+    if os.environ.get("RLHFMEM_SNAPSHOT_READER") == PYTHON_READER:  # the benchmark's "before"
+        return load_snapshot(p), "python (requested: RLHFMEM_SNAPSHOT_READER=python)"
+    data = _read_snapshot_bytes(p)
+    try:
+        parsed = parse_snapshot(data, _KEPT)
+    except ReaderUnavailable as exc:
+        return _unpickle_snapshot(p, data), f"python (compiled reader unavailable: {exc})"
+    if parsed.status == "refused":
+        raise SnapshotError(f"{p}: refused: the pickle {parsed.message}; memory snapshots hold only builtins, "
+                            "so nothing was loaded or run")
+    if parsed.status != "ok":
+        return _unpickle_snapshot(p, data), f"python (the compiled reader declined: {parsed.message})"
+    del data
+    try:
+        snap = _unpickle_snapshot(p, parsed.rest, check=False)
+    except SnapshotError:  # cannot happen (builtins only); read the file as before
+        return load_snapshot(p), "python (the compiled reader's output did not load)"
+    if parsed.devices and isinstance(snap, dict) and isinstance(snap.get("device_traces"), list):
+        traces = snap["device_traces"]
+        for i, entries in enumerate(parsed.devices):
+            if entries is not None and i < len(traces):
+                traces[i] = entries
+    _check_snapshot(p, snap)
+    return snap, "compiled"
+
+
+def snapshot_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, AllocatorConfig, str]:
+    """``rlhfmem replay FILE.pickle``'s input: ``replay_engine.load_columns_for_replay``'s pickle branch read
+    through :func:`load_snapshot_columnar`. Returns ``(columns, recorded allocator settings, reader)``
+    (``reader`` as :func:`load_snapshot_columnar` says it). Raises :class:`SnapshotError`."""
+    snap, reader = load_snapshot_columnar(path)
+    try:
+        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+    except (AllocatorConfigError, AttributeError, TypeError) as exc:
+        raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
+    return columns_from_snapshot(snap, device, recorded_config, path), recorded_config, reader
 
 
 def _pick_device(snap: dict, device: int | None, source: str) -> int:
@@ -430,6 +499,21 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
             return slow()  # its error message
         if any(s["segment_pool_id"] != DEFAULT_POOL for s in segments):
             return slow()  # pool markers: placed from the Events
+        if isinstance(raw, SnapshotEntries):  # load_snapshot_columnar: the compiled reader's columns
+            if not raw.lean_ok:
+                return slow()  # its Events: missing or None numbers read as 0 (no error: they were checked)
+            action, addr, size, stream, time_us = raw.lean_columns()
+            try:
+                initial = _rebuild_initial_segments([], segments, cfg, src, rows=raw.scan_rows())
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+                if isinstance(exc, SnapshotError):
+                    raise
+                return slow()
+            return TraceColumns(
+                action=action, addr=addr, size=size, stream=stream, time_us=time_us,
+                name=array("i", [-1]) * len(action), names=[],
+                initial_segments=initial, final_segments=segments, allocator_settings=snap.get("allocator_settings"),
+                capture=CAPTURE_CUDA, source=src, device=dev)
         try:
             names = list(map(operator.itemgetter("action"), raw))
             keep = [a in _KEPT for a in names]

@@ -5,8 +5,9 @@ Two engines give the same figures (``tests/test_replay_core.py`` holds them to i
 - ``python``: :class:`~.allocator.CachingAllocatorModel` through :func:`~.replay.replay`, the readable
   reference that mirrors ``c10/cuda/CUDACachingAllocator.cpp``; it replays everything.
 - ``compiled``: ``csrc/replay_core.cpp``, the same functions under the same names (``malloc``,
-  ``get_free_block``, ``alloc_found_block``, ``free_block``, ``release_cached_blocks``, ...) for the
-  default allocator in free-running mode: about two orders of magnitude faster. :func:`engine_for` says
+  ``get_free_block``, ``alloc_found_block``, ``free_block``, ``release_cached_blocks``, ``get_pool``,
+  ``create_or_incref_pool``, ``release_pool``, ...) in both modes, private pools included: about two orders of
+  magnitude faster. :func:`engine_for` says
   when it applies and, when not, why.
 
 The compiled core is built with the system's ``g++ -O2 -shared -fPIC`` (never through torch: ``import
@@ -106,7 +107,7 @@ def load_library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(library_path()))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rc_new.argtypes, lib.rc_new.restype = [p, ctypes.c_double], p
-        lib.rc_import_segment.argtypes, lib.rc_import_segment.restype = [p, i64, i64, i64, i32, i64, p], None
+        lib.rc_import_segment.argtypes, lib.rc_import_segment.restype = [p, i64, i64, i64, i32, i64, p, i64, i64], None
         lib.rc_run.argtypes, lib.rc_run.restype = [p, i64, p, p, p, p, p, i32, i64, p], i32
         lib.rc_result_size.argtypes, lib.rc_result_size.restype = [p], i64
         lib.rc_result_copy.argtypes, lib.rc_result_copy.restype = [p, p], None
@@ -152,16 +153,14 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
         why = "the per-event series is recorded by the Python model"
     elif record_events:
         why = "the replayed events are recorded by the Python model"
-    elif cols is not None and cols.has_pool_markers():
-        why = "private pools (pool markers in the trace) are replayed by the Python model"
-    elif cols is not None and any(s.pool_id != DEFAULT_POOL for s in cols.initial_segments):
-        why = "a private pool's segment existed before the trace: replayed by the Python model"
     else:
         ok, reason = compiled_available()
         if not ok:
             why = f"compiled core unavailable: {reason}"
     if why is None:
-        return COMPILED, f"{mode}, no private pools"
+        pools = cols is not None and (cols.has_pool_markers()
+                                      or any(s.pool_id != DEFAULT_POOL for s in cols.initial_segments))
+        return COMPILED, f"{mode}, {'with' if pools else 'no'} private pools"
     if requested == COMPILED:
         raise ValueError(f"the compiled replay engine cannot replay this: {why}")
     return PYTHON, why
@@ -211,6 +210,10 @@ def _segment_pieces(seg: SegmentState) -> array:
 
 
 _NONE = -(2**63)
+# rc_run's error codes for unbalanced pool markers -> allocator.py's ValueError text (before the pool id).
+_POOL_ERRORS = {2: "beginAllocateToPool: already recording to mempool_id",
+                4: "endAllocateToPool: not currently recording to mempool_id",
+                5: "releasePool: no pool with mempool_id"}
 _WINDOW_FIELDS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "max_fragmentation",
                   "inactive_split_at_peak", "cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms",
                   "events", "start_us", "end_us")
@@ -243,7 +246,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
             except ValueError as exc:
                 raise ReplayError(f"{cols.source or 'trace'}: a segment that existed before the trace: {exc}") from None
             lib.rc_import_segment(h, seg.address, seg.total_size, seg.stream, int(seg.is_small), len(pieces) // 3,
-                                  _buf(pieces))
+                                  _buf(pieces), seg.pool_id[0], seg.pool_id[1])
         fa = array("q", [p for p, _ in inserted])
         n = len(cols)
         rc = lib.rc_run(h, n, _buf(cols.action), _buf(cols.addr), _buf(cols.size), _buf(cols.stream),
@@ -255,23 +258,36 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     (error, error_event, final_reserved, final_allocated, final_requested, unmatched, oom_mismatches, num_free,
      flush_frees, peak_phase, n_phases, n_dec, n_flush, n_points, n_req, _num_alloc) = out[:16]
 
-    # Event index in the replayed list (flushes inserted) -> the name of its event.
-    def name_of(v: int) -> str:
+    # Event index in the replayed list (flushes inserted) -> the original event's index, or the inserted
+    # flush's name.
+    def original(v: int) -> int | str:
         # v counts the inserted flushes before it: undo that to find the original event or the flush
         k = 0
         while k < len(inserted) and inserted[k][0] + k <= v:
             if inserted[k][0] + k == v:
                 return f"after-{inserted[k][1]}"
             k += 1
-        i = v - k
+        return v - k
+
+    def name_of(v: int) -> str:
+        i = original(v)
+        if isinstance(i, str):
+            return i
         j = cols.name[i]
         return cols.names[j] if j >= 0 else ""
 
     if rc == 1:
         raise ValueError(f"double free at event {error_event} (model address reused by the trace)")
-    if rc == 2:
-        raise ReplayError(f"{cols.source or 'trace'}: event {error_event}: the compiled engine does not replay "
-                          "private pools")
+    if rc in _POOL_ERRORS:  # python_engine.py's ReplayError for the same marker, word for word
+        i = original(error_event)
+        assert isinstance(i, int)
+        pool_id = (cols.addr[i], cols.size[i])
+        raise ReplayError(f"{cols.source or 'trace'}: event {error_event} ({ACTIONS[cols.action[i]]}): "
+                          f"{_POOL_ERRORS[rc]} {pool_id}")
+    if rc == 3:
+        raise ReplayError(f"{cols.source or 'trace'}: event {error_event}: allocations go to a private pool that was "
+                          "released and emptied while a use_mem_pool region still held it (the Python model raises "
+                          "KeyError there)")
     pos = 16
 
     def window(phase: str) -> WindowMetrics:

@@ -6,18 +6,20 @@
 // follow c10/cuda/CUDACachingAllocator.cpp of pytorch/pytorch (2.5-2.9): the functions below keep
 // PyTorch's names (malloc, get_free_block, should_split, alloc_found_block, alloc_block, free_block,
 // try_merge_blocks, release_block, release_blocks, release_cached_blocks, release_available_cached_blocks,
-// garbage_collect_cached_blocks, round_size, get_allocation_size) and each names the Python method it
-// mirrors. Every size is in bytes.
+// garbage_collect_cached_blocks, round_size, get_allocation_size, get_pool, create_or_incref_pool,
+// begin_allocate_to_pool, end_allocate_to_pool, release_pool) and each names the Python method it mirrors.
+// Every size is in bytes.
 //
 // What this engine covers (memory/replay_engine.py::engine_for says which replays take it and why):
 // the small and large default pools, round_size with roundup_power2_divisions, max_split_size,
 // max_non_split_rounding_size, garbage_collection_threshold, the miss path with its retry and OOM
 // against a capacity, expandable segments (ExpandableSegment, find_expandable_block, map_block,
-// try_allocate_expandable_block, unmap_block, release_expandable_segment), FLUSH events and recorded
-// empty_cache() batches (release_cached_blocks), anchored mode (recorded addresses, recorded cudaMalloc
-// failures), segments that existed before the trace, phase windows and the MetricsCollector figures. Not
-// covered (the Python model replays them): private pools (POOL_* events), the per-event series and the
-// replayed-events output.
+// try_allocate_expandable_block, unmap_block, release_expandable_segment), private pools (PrivatePool:
+// POOL_ENTER / POOL_EXIT / POOL_RELEASE as python_engine.py drives them, release_cached_blocks(mempool_id)),
+// FLUSH events and recorded empty_cache() batches (release_cached_blocks), anchored mode (recorded
+// addresses, recorded cudaMalloc failures), segments that existed before the trace (in the default pools
+// or a private one), phase windows and the MetricsCollector figures. Not covered (the Python model replays
+// them): the per-event series and the replayed-events output.
 //
 // Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_import_segment, rc_run,
 // rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
@@ -26,6 +28,8 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <set>
 #include <unordered_map>
 #include <vector>
@@ -165,6 +169,16 @@ enum Action : uint8_t {
 };
 
 struct BlockPool;
+struct PrivatePool;
+
+// MempoolId_t: (ev.addr, ev.size) of a POOL_* event; (0, 0) names the default pools (allocator.py: DEFAULT_POOL).
+struct MempoolId {
+  i64 first = 0, second = 0;
+  bool operator==(const MempoolId& o) const { return first == o.first && second == o.second; }
+  bool operator!=(const MempoolId& o) const { return !(*this == o); }
+  bool operator<(const MempoolId& o) const { return first != o.first ? first < o.first : second < o.second; }
+};
+constexpr MempoolId DEFAULT_POOL{0, 0};
 
 // Python's floor division and its ceiling twin (-(-a // b)), for b > 0.
 inline i64 floordiv(i64 a, i64 b) { return a / b - ((a % b != 0) && (a < 0)); }
@@ -239,8 +253,10 @@ struct BlockComparatorAddress {
 };
 
 // struct BlockPool (allocator.py: BlockPool; insert_into_blocks / erase / insert_unmapped / erase_unmapped).
+// owner_private_pool: the PrivatePool it belongs to, nullptr for the default pools.
 struct BlockPool {
   bool is_small;
+  PrivatePool* owner_private_pool = nullptr;
   std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>> blocks;
   std::set<Block*, BlockComparatorAddress, NodeAllocator<Block*>> unmapped;
   i64 get_free_blocks_call_count = 0;
@@ -254,6 +270,20 @@ struct BlockPool {
   void erase(Block* b) { blocks.erase(b); }
   void insert_unmapped(Block* b) { unmapped.insert(b); }
   void erase_unmapped(Block* b) { unmapped.erase(b); }
+};
+
+// struct PrivatePool (allocator.py: PrivatePool): the BlockPools of one torch.cuda.MemPool or graph pool.
+// use_count: its holders (the pool object, each open use_mem_pool region); cudaMalloc_count: its segments
+// (or page mappings) not yet returned.
+struct PrivatePool {
+  MempoolId id;
+  i64 use_count = 1;
+  i64 cudaMalloc_count = 0;
+  BlockPool large_blocks, small_blocks;
+  PrivatePool(MempoolId id_, FreeNode** nodes) : id(id_), large_blocks(false, nodes), small_blocks(true, nodes) {
+    large_blocks.owner_private_pool = this;
+    small_blocks.owner_private_pool = this;
+  }
 };
 
 // AllocatorStats (allocator.py).
@@ -352,6 +382,13 @@ struct Model {
   i64 block_serial = 0;
   std::vector<ExpandableSegment*> all_expandable_segments;  // ownership (freed at rc_free)
   i64 n_expandable_segments = 0;  // allocator.py: len(self.expandable_segments)
+  // Private pools. A pool the Python model forgets (del graph_pools[id]) may still be named by blocks of its
+  // expandable segments, so every PrivatePool lives until rc_free; graph_pools maps the ids in use.
+  std::vector<std::unique_ptr<PrivatePool>> all_private_pools;  // ownership
+  std::map<MempoolId, PrivatePool*> graph_pools;
+  std::vector<std::pair<MempoolId, PrivatePool*>> graph_pools_freeable;  // in insertion order, as the dict
+  std::vector<MempoolId> captures_underway;  // pools allocations are diverted to
+  bool pool_gone = false;  // get_pool found no pool for captures_underway[0] (the Python model's KeyError)
 
   // replay state
   Collector collector;
@@ -363,6 +400,7 @@ struct Model {
   i64 unmatched_frees = 0, oom_mismatches = 0, flush_frees = 0, error = 0, error_event = -1;
 
   ~Model() {
+    all_private_pools.clear();  // their set nodes join the free list, freed below
     for (Block* b : all_blocks) delete b;
     for (ExpandableSegment* es : all_expandable_segments) delete es;
     for (BlockPool* pool : {&small_blocks, &large_blocks}) {  // their nodes join the free list, freed next
@@ -429,8 +467,73 @@ struct Model {
     return kRoundLarge * ((size + kRoundLarge - 1) / kRoundLarge);
   }
 
-  // get_pool (no private pools here)
-  BlockPool& get_pool(i64 size) { return size <= kSmallSize ? small_blocks : large_blocks; }
+  // get_pool: a private pool's BlockPool while allocations are diverted to one (captures_underway[0]), else
+  // the default small or large pool. nullptr (pool_gone set) where the Python model raises KeyError: the
+  // pool allocations go to was forgotten (a pool revived after release_pool, then emptied).
+  BlockPool* get_pool(i64 size) {
+    if (!captures_underway.empty()) {
+      auto it = graph_pools.find(captures_underway[0]);
+      if (it == graph_pools.end()) {
+        pool_gone = true;
+        return nullptr;
+      }
+      PrivatePool* pp = it->second;
+      return size <= kSmallSize ? &pp->small_blocks : &pp->large_blocks;
+    }
+    return size <= kSmallSize ? &small_blocks : &large_blocks;
+  }
+
+  // -- private pools (allocator.py: the same names) ----------------------------------------------
+
+  // create_or_incref_pool: a new pool starts at use_count 1 (MemPool construction).
+  PrivatePool* create_or_incref_pool(MempoolId pool_id) {
+    auto it = graph_pools.find(pool_id);
+    if (it != graph_pools.end()) {
+      it->second->use_count += 1;
+      return it->second;
+    }
+    all_private_pools.push_back(std::make_unique<PrivatePool>(pool_id, &free_nodes));
+    PrivatePool* pp = all_private_pools.back().get();
+    graph_pools[pool_id] = pp;
+    return pp;
+  }
+
+  // begin_allocate_to_pool (use_mem_pool entry); false where the Python model raises ValueError (already
+  // recording to that pool).
+  bool begin_allocate_to_pool(MempoolId pool_id) {
+    if (std::find(captures_underway.begin(), captures_underway.end(), pool_id) != captures_underway.end())
+      return false;
+    create_or_incref_pool(pool_id);
+    captures_underway.push_back(pool_id);
+    return true;
+  }
+
+  // end_allocate_to_pool; false where the Python model raises ValueError (not recording to that pool).
+  bool end_allocate_to_pool(MempoolId pool_id) {
+    auto it = std::find(captures_underway.begin(), captures_underway.end(), pool_id);
+    if (it == captures_underway.end()) return false;
+    captures_underway.erase(it);
+    return true;
+  }
+
+  // release_pool: drop one holder; at use_count 0 release_cached_blocks may return the pool's memory. false
+  // where the Python model raises ValueError (no such pool).
+  bool release_pool(MempoolId pool_id) {
+    auto it = graph_pools.find(pool_id);
+    if (it == graph_pools.end()) return false;
+    PrivatePool* pp = it->second;
+    pp->use_count -= 1;
+    if (pp->use_count == 0) {  // graph_pools_freeable[pool_id] = pp: a present key keeps its place
+      auto f = std::find_if(graph_pools_freeable.begin(), graph_pools_freeable.end(),
+                            [&](const std::pair<MempoolId, PrivatePool*>& e) { return e.first == pool_id; });
+      if (f != graph_pools_freeable.end()) {
+        f->second = pp;
+      } else {
+        graph_pools_freeable.emplace_back(pool_id, pp);
+      }
+    }
+    return true;
+  }
 
   bool gc_enabled() const { return garbage_collection_threshold > 0.0 && has_capacity; }
 
@@ -439,7 +542,9 @@ struct Model {
   // malloc: returns the allocated block, or nullptr for an OOM (allocator.py raises OutOfMemoryError).
   Block* malloc(i64 orig_size, i64 stream) {
     i64 size = round_size(orig_size);
-    BlockPool& pool = get_pool(size);
+    BlockPool* pool_p = get_pool(size);
+    if (!pool_p) return nullptr;  // pool_gone: the caller stops the replay
+    BlockPool& pool = *pool_p;
     i64 alloc_size = get_allocation_size(size);
     Block* block = get_free_block(pool, size, stream);
     if (!block) {
@@ -447,7 +552,8 @@ struct Model {
       block = alloc_block(pool, size, alloc_size, stream, false);
       if (!block && release_available_cached_blocks(pool, size, stream))
         block = alloc_block(pool, size, alloc_size, stream, false);
-      if (!block && release_cached_blocks()) block = alloc_block(pool, size, alloc_size, stream, true);
+      if (!block && captures_underway.empty() && release_cached_blocks())  // no release-and-retry in a pool
+        block = alloc_block(pool, size, alloc_size, stream, true);
       if (!block) {
         st.num_ooms += 1;
         return nullptr;
@@ -493,8 +599,9 @@ struct Model {
   // can_serve_from_cache
   bool can_serve_from_cache(i64 orig_size, i64 stream) {
     i64 size = round_size(orig_size);
-    BlockPool& pool = get_pool(size);
-    return find_free_block(pool, size, stream) != pool.blocks.end();
+    BlockPool* pool = get_pool(size);
+    if (!pool) return false;  // pool_gone: the caller stops the replay
+    return find_free_block(*pool, size, stream) != pool->blocks.end();
   }
 
   // should_split
@@ -583,8 +690,13 @@ struct Model {
       fail_next_cuda_malloc = false;  // anchored replay: the recorded run failed here
       return nullptr;
     }
-    if (expandable_segments) return try_allocate_expandable_block(stream, pool, size);
+    if (expandable_segments) {
+      Block* block = try_allocate_expandable_block(stream, pool, size);
+      if (block && pool.owner_private_pool) pool.owner_private_pool->cudaMalloc_count += 1;
+      return block;
+    }
     if (has_capacity && st.reserved_bytes + alloc_size > capacity) return nullptr;
+    if (pool.owner_private_pool) pool.owner_private_pool->cudaMalloc_count += 1;
     i64 address = new_address(alloc_size, alloc_size);
     Block* block = new_block(stream, alloc_size, &pool, address);
     st.reserved_bytes += alloc_size;
@@ -699,6 +811,7 @@ struct Model {
     try_merge_blocks(block, block->next, pool);
     pool.insert_unmapped(block);
     st.reserved_bytes -= unmapped.second;
+    if (pool.owner_private_pool) pool.owner_private_pool->cudaMalloc_count -= 1;
     st.num_device_free += 1;
     on_segment_unmap(unmapped.first, unmapped.second);
   }
@@ -762,6 +875,7 @@ struct Model {
   // release_block: cudaFree a whole free segment.
   void release_block(Block* block) {
     block->pool->erase(block);
+    if (block->pool->owner_private_pool) block->pool->owner_private_pool->cudaMalloc_count -= 1;
     st.reserved_bytes -= block->size;
     st.num_device_free += 1;
     on_segment_free(block->address, block->size);
@@ -785,10 +899,28 @@ struct Model {
     }
   }
 
-  // release_cached_blocks (the default id, no diversion to a pool): large pool, then small pool.
-  bool release_cached_blocks() {
-    release_blocks(large_blocks);
-    release_blocks(small_blocks);
+  // release_cached_blocks(mempool_id) (2.6+; torch.cuda.empty_cache()): for the default id and no
+  // diversion to a pool underway, the default large pool, then the small one. Then every private pool nobody
+  // holds (use_count 0), in the order it became so: its small pool, then its large pool; a pool with nothing
+  // left is forgotten. A non-default id limits the second part to that pool.
+  bool release_cached_blocks(MempoolId mempool_id = DEFAULT_POOL) {
+    if (mempool_id == DEFAULT_POOL && captures_underway.empty()) {
+      release_blocks(large_blocks);
+      release_blocks(small_blocks);
+    }
+    if (graph_pools_freeable.empty()) return true;
+    std::vector<std::pair<MempoolId, PrivatePool*>> freeable = graph_pools_freeable;  // list(...items())
+    for (const auto& [pid, pp] : freeable) {
+      if (mempool_id != DEFAULT_POOL && pid != mempool_id) continue;
+      release_blocks(pp->small_blocks);
+      release_blocks(pp->large_blocks);
+      if (pp->cudaMalloc_count == 0) {
+        graph_pools.erase(pid);
+        graph_pools_freeable.erase(
+            std::find_if(graph_pools_freeable.begin(), graph_pools_freeable.end(),
+                         [&](const std::pair<MempoolId, PrivatePool*>& e) { return e.first == pid; }));
+      }
+    }
     return true;
   }
 
@@ -857,8 +989,17 @@ struct Model {
   // -- import_segment (a segment that existed before the trace) --------------------------------
 
   // pieces: (address, size, requested) with requested < 0 for a free gap; sorted, validated by Python.
-  void import_segment(i64 address, i64 total_size, i64 stream, bool is_small, i64 n, const i64* pieces) {
-    BlockPool& pool = is_small ? small_blocks : large_blocks;
+  // pool_id: the segment's segment_pool_id (a private pool is created, held once).
+  void import_segment(i64 address, i64 total_size, i64 stream, bool is_small, i64 n, const i64* pieces,
+                      MempoolId pool_id) {
+    BlockPool* pool_p = is_small ? &small_blocks : &large_blocks;
+    if (pool_id != DEFAULT_POOL) {
+      auto it = graph_pools.find(pool_id);
+      PrivatePool* pp = it != graph_pools.end() ? it->second : create_or_incref_pool(pool_id);
+      pool_p = is_small ? &pp->small_blocks : &pp->large_blocks;
+      pp->cudaMalloc_count += 1;
+    }
+    BlockPool& pool = *pool_p;
     st.reserved_bytes += total_size;
     if (st.reserved_bytes > st.peak_reserved_bytes) st.peak_reserved_bytes = st.reserved_bytes;
     (void)address;
@@ -934,7 +1075,10 @@ struct Model {
     return batches;
   }
 
-  // The loop of replay(); returns 0, or an error code (1 = double free, 2 = unsupported event).
+  // The loop of replay(); returns 0, or an error code where the Python engine raises: 1 = double free
+  // (ValueError), 2 = POOL_ENTER into a pool already recorded to, 4 = POOL_EXIT of a pool not recorded to,
+  // 5 = POOL_EXIT / POOL_RELEASE of an unknown pool (ReplayError), 3 = an allocation diverted to a forgotten
+  // pool (allocator.py's get_pool raises KeyError).
   int run(i64 n, const uint8_t* act, const i64* addr, const i64* size, const i64* stream, const i64* time_us) {
     // recorded address -> model block. The Python model keeps a freed, merged block alive while `live`
     // still names it (and refuses a second free of it); here its object may have been reused, which the
@@ -959,6 +1103,10 @@ struct Model {
           if (has_releases && retry_allocs[idx]) fail_next_cuda_malloc = anchored;
           i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
           Block* block = malloc(size[idx], stream[idx]);
+          if (pool_gone) {
+            error_event = idx;
+            return 3;
+          }
           if (block) live.put(addr[idx], LiveRef{block, block->serial});
           fail_next_cuda_malloc = false;
           pending_anchor.clear();
@@ -995,6 +1143,10 @@ struct Model {
           if (has_releases && retry_allocs[idx]) fail_next_cuda_malloc = anchored;
           i64 retries = st.num_alloc_retries, ooms = st.num_ooms;
           Block* block = malloc(size[idx], stream[idx]);
+          if (pool_gone) {
+            error_event = idx;
+            return 3;
+          }
           if (block) {
             free(block);  // the program never got it
             oom_mismatches += 1;
@@ -1015,7 +1167,12 @@ struct Model {
           auto it = release_batches.find(idx);
           if (it == release_batches.end()) break;  // inside a batch already handled
           i64 j = it->second;
-          if (j >= 0 && (act[j] == A_OOM || !can_serve_from_cache(size[j], stream[j]))) {
+          bool retry = j >= 0 && (act[j] == A_OOM || !can_serve_from_cache(size[j], stream[j]));
+          if (pool_gone) {
+            error_event = idx;
+            return 3;
+          }
+          if (retry) {
             retry_allocs[j] = 1;  // the recorded cudaMalloc failed, then released and retried
             break;
           }
@@ -1041,12 +1198,38 @@ struct Model {
                                                           {(i64)collector.phases.size() - 1, st.requested_bytes});
           collector.begin_phase(idx, st.reserved_bytes, st.allocated_bytes, time_us[idx]);
           break;
-        case A_PHASE_END:
-        case A_OTHER:
+        case A_POOL_ENTER: {  // use_mem_pool entry: the pool object holds it, the region too
+          MempoolId pool_id{addr[idx], size[idx]};
+          if (!graph_pools.count(pool_id)) create_or_incref_pool(pool_id);
+          if (!begin_allocate_to_pool(pool_id)) {
+            error_event = idx;
+            return 2;
+          }
           break;
-        default:  // POOL_* markers: the Python engine replays private pools
-          error_event = idx;
-          return 2;
+        }
+        case A_POOL_EXIT: {
+          MempoolId pool_id{addr[idx], size[idx]};
+          if (!end_allocate_to_pool(pool_id)) {
+            error_event = idx;
+            return 4;
+          }
+          if (!release_pool(pool_id)) {
+            error_event = idx;
+            return 5;
+          }
+          break;
+        }
+        case A_POOL_RELEASE: {  // MemPool destroyed: releasePool, then emptyCache(pool id)
+          MempoolId pool_id{addr[idx], size[idx]};
+          if (!release_pool(pool_id)) {
+            error_event = idx;
+            return 5;
+          }
+          release_cached_blocks(pool_id);
+          break;
+        }
+        default:  // PHASE_END, OTHER
+          break;
       }
     }
     if (collector.current)
@@ -1124,9 +1307,11 @@ void* rc_new(const int64_t* config, double garbage_collection_threshold) {
 }
 
 // pieces[n][3]: (address, size, requested size or -1 for a free gap), by address, covering the segment.
+// pool_id0, pool_id1: the segment's segment_pool_id ((0, 0): the default pools).
 void rc_import_segment(void* h, int64_t address, int64_t total_size, int64_t stream, int is_small, int64_t n,
-                       const int64_t* pieces) {
-  static_cast<Handle*>(h)->model.import_segment(address, total_size, stream, is_small != 0, n, pieces);
+                       const int64_t* pieces, int64_t pool_id0, int64_t pool_id1) {
+  static_cast<Handle*>(h)->model.import_segment(address, total_size, stream, is_small != 0, n, pieces,
+                                                MempoolId{pool_id0, pool_id1});
 }
 
 // Call after the imports: the collector starts from the imported reserved/allocated figures.

@@ -43,11 +43,15 @@ using u8 = uint8_t;
 enum Kind : u8 { K_NONE, K_BOOL, K_INT, K_BIGINT, K_FLOAT, K_STR, K_BYTES, K_LIST, K_DICT, K_TUPLE, K_ENTRY,
                  K_LOST = 254, K_EMPTY = 255 };
 
+#pragma pack(push, 4)  // 12 bytes, not 16: the memo holds millions of them
 struct Value {
-    u8 kind = K_EMPTY;
-    uint32_t len = 0;  // STR / BYTES / BIGINT: byte length
     i64 v = 0;         // INT value; BOOL 0/1; STR/BYTES/BIGINT/FLOAT: offset in the data; containers: index
+    uint32_t len : 24; // STR / BYTES / BIGINT: byte length (up to 16 MiB; longer: declined)
+    uint32_t kind : 8;
+    Value() : len(0), kind(K_EMPTY) {}
 };
+#pragma pack(pop)
+static_assert(sizeof(Value) == 12, "Value is 12 bytes");
 
 struct Cont {
     u8 kind = K_LIST;            // K_LIST, K_DICT, K_TUPLE
@@ -74,8 +78,7 @@ struct Device {
     i64 kind = -1;  // -1: written back as it was (None); else a placeholder
     i64 n_entries = 0;
     bool lean_ok = true;
-    std::vector<u8> act;
-    std::vector<i64> addr, size, stream, time;
+    std::vector<uint32_t> rows;  // the kept entries (indices in Reader::entries), in order
     std::vector<i64> patches;  // (kept index, addr) pairs
     std::vector<u8> scan_act;
     std::vector<i64> scan_addr, scan_size, scan_stream;
@@ -230,7 +233,7 @@ struct Reader {
     void push_str(size_t len, bool text) {
         if (len > n - pos) decline("truncated");
         if (pos < frame_end && pos + len > frame_end) decline("a string across a frame's end");
-        if (len > 0xFFFFFFFFull) decline("string too long");
+        if (len >= (size_t(1) << 24)) decline("a string of 16 MiB or more");
         Value v;
         v.kind = text ? K_STR : K_BYTES;
         v.len = uint32_t(len);
@@ -252,6 +255,7 @@ struct Reader {
             v.kind = K_INT;
             v.v = i64(x);
         } else {
+            if (len >= (size_t(1) << 24)) decline("an integer of 16 MiB or more");
             v.kind = K_BIGINT;
             v.len = uint32_t(len);
             v.v = i64(p - d);
@@ -532,10 +536,14 @@ struct Reader {
         }
     }
 
+    // A kept row's address: an oom entry's device_free when it has one (trace_from_snapshot's reading).
+    i64 row_addr(const Entry& e) const {
+        return (e.code == oom_code && e.state[F_DEVFREE] != 0) ? e.val[F_DEVFREE] : e.val[F_ADDR];
+    }
+
     void read_device(const Cont& tc, Device& dev) {
         dev.n_entries = i64(tc.items.size());
-        for (auto* col : {&dev.addr, &dev.size, &dev.stream, &dev.time}) col->reserve(tc.items.size());
-        dev.act.reserve(tc.items.size());
+        dev.rows.reserve(tc.items.size());
         for (const Value& ev : tc.items) {
             const Entry& e = entries[size_t(ev.v)];
             if (e.code < 0) continue;
@@ -543,20 +551,15 @@ struct Reader {
                 if (e.state[f] == 3) decline("a kept entry's number is not a non-negative integer");
                 if (e.state[f] != 2) dev.lean_ok = false;
             }
-            i64 addr = e.val[F_ADDR];
             if (e.code == oom_code && e.state[F_DEVFREE] != 0) {  // PyTorch's layout: device_free, no addr
                 if (e.state[F_DEVFREE] == 3) decline("an oom entry's device_free is not a non-negative integer");
-                addr = e.val[F_DEVFREE];
+                i64 addr = e.val[F_DEVFREE];
                 if (e.state[F_ADDR] == 2 && e.val[F_ADDR] != addr) {  // the lean path reads addr
-                    dev.patches.push_back(i64(dev.act.size()));
+                    dev.patches.push_back(i64(dev.rows.size()));
                     dev.patches.push_back(e.val[F_ADDR]);
                 }
             }
-            dev.act.push_back(u8(e.code));
-            dev.addr.push_back(addr);
-            dev.size.push_back(e.val[F_SIZE]);
-            dev.stream.push_back(e.val[F_STREAM]);
-            dev.time.push_back(e.val[F_TIME]);
+            dev.rows.push_back(uint32_t(ev.v));
         }
         if (!dev.lean_ok) dev.patches.clear();
         reduce_scan(dev);
@@ -615,39 +618,42 @@ struct Reader {
     // prove a block start: proven_end counts only those before the block's free, all <= K). One trailing
     // oom row (no effect but the count) stands for the rows left out, so an empty result means an empty trace.
     void reduce_scan(Device& dev) {
-        size_t m = dev.act.size();
+        size_t m = dev.rows.size();
+        auto act_of = [&](size_t i) { return int(entries[dev.rows[i]].code); };
+        auto addr_of = [&](size_t i) { return row_addr(entries[dev.rows[i]]); };
         AddrSet live;
         i64 K = -1;
         for (size_t i = 0; i < m; ++i) {
-            int a = dev.act[i];
-            if (a == alloc_code) live.add(uint64_t(dev.addr[i]));
+            int a = act_of(i);
+            if (a == alloc_code) live.add(uint64_t(addr_of(i)));
             else if (a == free_code) {
-                if (live.contains(uint64_t(dev.addr[i]))) live.discard(uint64_t(dev.addr[i]));
+                if (live.contains(uint64_t(addr_of(i)))) live.discard(uint64_t(addr_of(i)));
                 else K = i64(i);
             }
         }
         auto keep = [&](size_t i) {
-            dev.scan_act.push_back(dev.act[i]);
-            dev.scan_addr.push_back(dev.addr[i]);
-            dev.scan_size.push_back(dev.size[i]);
-            dev.scan_stream.push_back(dev.stream[i]);
+            const Entry& e = entries[dev.rows[i]];
+            dev.scan_act.push_back(u8(e.code));
+            dev.scan_addr.push_back(row_addr(e));
+            dev.scan_size.push_back(e.val[F_SIZE]);
+            dev.scan_stream.push_back(e.val[F_STREAM]);
         };
         AddrSet at_k;
         size_t i = 0;
         for (; i < m && i64(i) <= K; ++i) {
             keep(i);
-            int a = dev.act[i];
-            if (a == alloc_code) at_k.add(uint64_t(dev.addr[i]));
-            else if (a == free_code) at_k.discard(uint64_t(dev.addr[i]));
+            int a = act_of(i);
+            if (a == alloc_code) at_k.add(uint64_t(addr_of(i)));
+            else if (a == free_code) at_k.discard(uint64_t(addr_of(i)));
         }
         if (i == m) return;
         // live is the state at the end; at_k the state at K
         std::vector<i64> touched;
         AddrSet seen;
         for (; i < m; ++i) {
-            int a = dev.act[i];
+            int a = act_of(i);
             if (a == alloc_code || a == free_code) {
-                uint64_t x = uint64_t(dev.addr[i]);
+                uint64_t x = uint64_t(addr_of(i));
                 if (!seen.contains(x)) { seen.add(x); touched.push_back(i64(x)); }
             } else if (a == segment_codes[0] || a == segment_codes[1] || a == segment_codes[2] ||
                        a == segment_codes[3]) {
@@ -756,7 +762,7 @@ struct Reader {
         std::vector<Value>().swap(stack);
         std::vector<Value>().swap(memo);
         std::vector<Cont>().swap(conts);
-        std::vector<Entry>().swap(entries);
+        if (status != OK) std::vector<Entry>().swap(entries);  // else the columns are read from them
     }
 };
 
@@ -797,7 +803,7 @@ void sr_device_info(void* h, i64* out) {
     for (const Device& dev : static_cast<Reader*>(h)->devices) {
         *out++ = dev.kind;
         *out++ = dev.n_entries;
-        *out++ = i64(dev.act.size());
+        *out++ = i64(dev.rows.size());
         *out++ = dev.lean_ok;
         *out++ = i64(dev.patches.size() / 2);
         *out++ = i64(dev.scan_act.size());
@@ -806,13 +812,16 @@ void sr_device_info(void* h, i64* out) {
 
 void sr_columns(void* h, i64 k, uint8_t* act, i64* addr, i64* size, i64* stream, i64* time) {
     const Device& dev = static_cast<Reader*>(h)->devices[size_t(k)];
-    size_t m = dev.act.size();
-    if (!m) return;
-    std::memcpy(act, dev.act.data(), m);
-    std::memcpy(addr, dev.addr.data(), 8 * m);
-    std::memcpy(size, dev.size.data(), 8 * m);
-    std::memcpy(stream, dev.stream.data(), 8 * m);
-    std::memcpy(time, dev.time.data(), 8 * m);
+    const Reader* r = static_cast<Reader*>(h);
+    size_t m = dev.rows.size();
+    for (size_t i = 0; i < m; ++i) {
+        const Entry& e = r->entries[dev.rows[i]];
+        act[i] = uint8_t(e.code);
+        addr[i] = r->row_addr(e);
+        size[i] = e.val[F_SIZE];
+        stream[i] = e.val[F_STREAM];
+        time[i] = e.val[F_TIME];
+    }
 }
 
 void sr_patches(void* h, i64 k, i64* out) {

@@ -416,12 +416,14 @@ def test_cli_replays_an_rlhftrace_file_with_either_engine(tmp_path):
     assert docs[COMPILED]["simulated"]["cuda_malloc_count"] > 0
 
 
-def test_without_a_compiler_the_python_engine_replays_after_one_notice(tmp_path):
+def test_without_a_compiler_the_python_engine_replays_after_one_notice_per_compiled_part(tmp_path):
     path = shared_snapshot("eor_nn")
     p = _cli(str(path), "--free-running", "--json",
              env={"CXX": str(tmp_path / "no-such-g++"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert p.returncode == 0, p.stderr
     notes = [line for line in p.stderr.splitlines() if line]
-    assert len(notes) == 1 and "compiled replay engine unavailable" in notes[0] and "no-such-g++" in notes[0]
+    # one line each for the two compiled parts the command would use: the pickle reader and the replay core
+    assert len(notes) == 2 and all("no-such-g++" in n for n in notes)
+    assert "compiled reader unavailable" in notes[0] and "compiled replay engine unavailable" in notes[1]
     doc = json.loads(p.stdout)
     assert doc["engine"] == PYTHON and "compiled core unavailable" in doc["engine_reason"]

@@ -19,7 +19,8 @@ request, and its free-memory figure gives the device capacity when none is given
 
 Two engines replay (``docs/replay-engine.md``): ``python_engine.py`` with ``allocator.py`` (the reference;
 every mode) and the compiled core ``csrc/replay_core.cpp`` behind ``replay_engine.py``, which mirrors them
-function by function for replays without private pools, series or replayed events, about 25 times faster.
+function by function for replays without series or replayed events (private pools included), about 25 times
+faster.
 :func:`replay` uses the Python model unless asked (``engine="auto"``); :func:`replay_columns` (the CLI and the
 advisor) picks. This module is the one replay entry: it sits above both engines, the formats and the types,
 and re-exports the names its callers have always imported from it (modes, results, ``with_flushes``).
@@ -48,7 +49,7 @@ def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE
 
     ``engine``: ``python`` (``python_engine.py`` and ``allocator.py``: the reference, and the only one returning
     ``model`` and ``collector``), ``auto`` (the compiled core of ``replay_engine.py`` when it supports
-    this replay: no private pools, no series or events recorded; else Python) or
+    this replay: no series or events recorded; else Python) or
     ``compiled`` (raises ``ValueError`` when unsupported). ``ReplayResult.engine`` says which ran.
 
     ``record_events`` keeps the replayed trace (``ReplayResult.events``): allocations at the addresses the

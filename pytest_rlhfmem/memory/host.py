@@ -53,6 +53,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 HOST_METRIC_NAMES = ("host_peak_rss", "host_rss_growth", "host_anon_peak", "host_anon_growth", "host_pinned_peak")
+# Bytes this process read from / wrote to storage (/proc/self/io read_bytes / write_bytes: block-device I/O, e.g.
+# ZeRO-Infinity's NVMe swapping through O_DIRECT async I/O); per window, summed over a name's windows.
+HOST_IO_NAMES = ("storage_read_bytes", "storage_write_bytes")
 RSS_HWM = "VmHWM, reset per phase through /proc/self/clear_refs"
 RSS_SAMPLED = "sampled from /proc/self/statm every 1 ms"
 ANON_SAMPLED = "resident minus shared pages of /proc/self/statm, sampled every 1 ms and at phase boundaries"
@@ -82,6 +85,15 @@ def _statm() -> tuple[int, int]:
             fields = f.read().split()
         return int(fields[1]) * _PAGE, (int(fields[1]) - int(fields[2])) * _PAGE
     except OSError:
+        return 0, 0
+
+
+def storage_io() -> tuple[int, int]:
+    """This process's (read_bytes, write_bytes) of storage I/O from /proc/self/io; (0, 0) where unreadable."""
+    try:
+        fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines() if ": " in line)
+        return int(fields.get("read_bytes", 0)), int(fields.get("write_bytes", 0))
+    except (OSError, ValueError):
         return 0, 0
 
 
@@ -174,6 +186,8 @@ class HostMemory:
     _phase_pinned: int = 0
     _cuda_stats: bool = False  # torch.cuda.host_memory_stats available and used
     _hwm: bool = False  # VmHWM read and reset per window (else the sampler's RSS peak)
+    _io_last: tuple[int, int] = (0, 0)
+    io_total: tuple[int, int] = (0, 0)  # storage (read, write) bytes since start
 
     def start(self) -> None:
         """Begin measuring (before the first model is built)."""
@@ -185,6 +199,7 @@ class HostMemory:
         self._sampler = _Sampler()  # anonymous RSS always (no kernel high-water mark); RSS where VmHWM is not
         self._sampler.start()
         self._reset_pinned_peak()
+        self._io_last = storage_io()
 
     def stop(self) -> None:
         """Close the last window (the root window's, or the iteration's only) and stop the sampler."""
@@ -210,6 +225,10 @@ class HostMemory:
         self.peak_rss = max(self.peak_rss, rss)
         self.anon_peak = max(self.anon_peak, anon)
         self.pinned_peak = max(self.pinned_peak, pinned)
+        io = storage_io()
+        dr, dw = io[0] - self._io_last[0], io[1] - self._io_last[1]
+        self._io_last = io
+        self.io_total = (self.io_total[0] + dr, self.io_total[1] + dw)
         window = self._open[-1] if self._open else self.root
         if window is not None:
             prev = self.phases.get(window, {})
@@ -219,7 +238,9 @@ class HostMemory:
                                    "host_anon_peak": anon_peak,
                                    "host_anon_growth": max(0, anon_peak - self.anon_at_start),
                                    "host_pinned_peak": max(pinned, prev.get("host_pinned_peak", 0)),
-                                   "host_rss_at_end": current_rss()}
+                                   "host_rss_at_end": current_rss(),
+                                   "storage_read_bytes": prev.get("storage_read_bytes", 0) + dr,
+                                   "storage_write_bytes": prev.get("storage_write_bytes", 0) + dw}
         self._reset_rss_peak()
         self._reset_pinned_peak()
 
@@ -278,7 +299,8 @@ class HostMemory:
                 "host_anon_peak": self.anon_peak, "host_anon_at_start": self.anon_at_start,
                 "host_anon_growth": max(0, self.anon_peak - self.anon_at_start), "anon_method": self.anon_method,
                 "host_pinned_peak": self.pinned_peak, "rss_method": self.rss_method,
-                "pinned_method": self.pinned_method, "measured": True, "phases": dict(self.phases)}
+                "pinned_method": self.pinned_method, "measured": True, "phases": dict(self.phases),
+                "storage_read_bytes": self.io_total[0], "storage_write_bytes": self.io_total[1]}
 
 
 def format_rss(m: dict) -> str:
@@ -298,12 +320,12 @@ def attach_host(result: dict, host: HostMemory) -> dict:
     the launcher takes the maximum over ranks. Returns ``result``."""
     d = host.to_dict()
     result["host"] = d
-    result["total"].update({k: d[k] for k in HOST_METRIC_NAMES})
+    result["total"].update({k: d[k] for k in HOST_METRIC_NAMES + HOST_IO_NAMES})
     live = result.get("requested_at_phase_end") or {}
     outside = []
     for p in result["phases"]:
         h = d["phases"].get(p["phase"], {})
-        p.update({k: h.get(k, 0) for k in HOST_METRIC_NAMES})
+        p.update({k: h.get(k, 0) for k in HOST_METRIC_NAMES + HOST_IO_NAMES})
         if result.get("simulated") and p["phase"] in live and h.get("host_rss_at_end"):
             p["host_rss_outside_device"] = h["host_rss_at_end"] - live[p["phase"]]
             outside.append(p["host_rss_outside_device"])

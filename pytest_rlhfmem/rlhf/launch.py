@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..hostcpu import fp16_answer
-from ..memory.host import HOST_METRIC_NAMES
+from ..memory.host import HOST_IO_NAMES, HOST_METRIC_NAMES
 from ..memory.metrics import METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
@@ -38,7 +38,19 @@ def resolve_device(device: str, world_size: int) -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
 
 
-def prebuild_ops(device: str, offload: bool, framework: str = "deepspeed-chat") -> None:
+def require_libaio() -> None:
+    """ZeRO-Infinity's NVMe swapping runs DeepSpeed's async I/O op, which builds against libaio. Raises
+    :class:`ScenarioError` (one line: what to install) when its header or library is missing."""
+    import ctypes.util
+
+    header = any(Path(d, "libaio.h").exists() for d in ("/usr/include", "/usr/local/include"))
+    if not header or ctypes.util.find_library("aio") is None:
+        raise ScenarioError("strategy zero3-nvme swaps to NVMe through DeepSpeed's async I/O op, which needs libaio: "
+                            "install it (Debian/Ubuntu: apt-get install libaio-dev; Fedora/RHEL: dnf install "
+                            "libaio-devel) and run again")
+
+
+def prebuild_ops(device: str, offload: bool | str, framework: str = "deepspeed-chat") -> None:
     """Build DeepSpeed's JIT ops (and, on CPU, the allocation recorder) once, under a file lock, before
     ranks start: two ranks building the same op at once race. Cached in torch's extension directory;
     a warm call takes about a second."""
@@ -46,7 +58,8 @@ def prebuild_ops(device: str, offload: bool, framework: str = "deepspeed-chat") 
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
-    builders = (["ShareMemCommBuilder"] if device == "cpu" else []) + (["CPUAdamBuilder"] if offload else [])
+    builders = ((["ShareMemCommBuilder"] if device == "cpu" else []) + (["CPUAdamBuilder"] if offload else [])
+                + (["AsyncIOBuilder"] if offload == "nvme" else []))
     if framework != "deepspeed-chat":
         builders = []
     if not builders and device != "cpu":
@@ -99,6 +112,8 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
                             f"and Gemini plugins assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")
+    if scenario.framework == "deepspeed-chat" and STRATEGY_SETTINGS.get(scenario.strategy, (0, False))[1] == "nvme":
+        require_libaio()
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-"))
     work.mkdir(parents=True, exist_ok=True)
     offload = STRATEGY_SETTINGS.get(scenario.strategy, (0, False, False))[1]
@@ -237,7 +252,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)
-    names = METRIC_NAMES + HOST_METRIC_NAMES + ("host_rss_outside_device",)
+    names = METRIC_NAMES + HOST_METRIC_NAMES + HOST_IO_NAMES + ("host_rss_outside_device",)
     metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in names} if ranks else {}
     if not any("host_rss_outside_device" in r["total"] for r in ranks):
         metrics.pop("host_rss_outside_device", None)

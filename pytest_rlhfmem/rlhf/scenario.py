@@ -12,7 +12,7 @@ from typing import Any
 
 FRAMEWORKS = ("deepspeed-chat", "colossalchat")
 STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all",
-              "zero2-offload", "lora", "hydra")
+              "zero2-offload", "lora", "hydra", "zero3-nvme")
 COLOSSAL_STRATEGIES = ("none", "zero2", "zero2-offload", "zero3", "zero3-offload", "grad-ckpt", "all")
 FRAMEWORK_STRATEGIES = {"deepspeed-chat": STRATEGIES, "colossalchat": COLOSSAL_STRATEGIES}
 FLUSH_POLICIES = ("none", "after-inference", "after-training", "after-both")

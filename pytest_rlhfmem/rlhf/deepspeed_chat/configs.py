@@ -7,6 +7,10 @@ gradient checkpointing from :data:`STRATEGY_SETTINGS` and its configs from :func
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -15,8 +19,8 @@ from ..common import resolve_dtype
 from ..models import get_pair
 from ..scenario import Scenario
 
-# strategy -> (actor/critic ZeRO stage, CPU offload, gradient checkpointing)
-STRATEGY_SETTINGS: dict[str, tuple[int, bool, bool]] = {
+# strategy -> (actor/critic ZeRO stage, offload (False, True = to the host, "nvme"), gradient checkpointing)
+STRATEGY_SETTINGS: dict[str, tuple[int, bool | str, bool]] = {
     "none": (0, False, False),
     "zero1": (1, False, False),
     "zero2": (2, False, False),
@@ -27,6 +31,9 @@ STRATEGY_SETTINGS: dict[str, tuple[int, bool, bool]] = {
     # Ren et al. 2021 (ZeRO-Offload, USENIX ATC): ZeRO-2 with fp32 states, gradients and the Adam step on the
     # host (DeepSpeedCPUAdam); DeepSpeed-Chat's --offload with --actor/critic_zero_stage 2.
     "zero2-offload": (2, True, False),
+    # Rajbhandari et al. 2021 (ZeRO-Infinity): ZeRO-3 with parameters and optimizer state swapped to NVMe through
+    # DeepSpeed's async I/O (libaio), pinned staging buffers in host memory; MemAscend's baseline.
+    "zero3-nvme": (3, "nvme", False),
     # Santacroce et al. 2023 ("Efficient RLHF: Reducing the Memory Usage of PPO", LoRA-PPO): actor and critic
     # train only LoRA weights; DeepSpeed-Chat's --actor_lora_dim/--critic_lora_dim with --only_optimize_lora.
     "lora": (0, False, False),
@@ -35,15 +42,48 @@ STRATEGY_SETTINGS: dict[str, tuple[int, bool, bool]] = {
 }
 
 
-def get_train_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_batch: int, world_size: int,
-                        bucket_elements: int | None) -> dict:
-    """``get_train_ds_config``: ZeRO stage, offload of params and optimizer, fp16/bf16, clipping 1.0."""
+NVME_BUFFER_COUNT = 5  # DeepSpeed's default offload_param buffer_count
+AIO = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False, "overlap_events": True}
+
+
+def nvme_dir() -> str:
+    """This process's NVMe swap directory (``$RLHFMEM_NVME_DIR``, else the temp dir): created on first use,
+    removed at exit."""
+    global _NVME_DIR
+    if _NVME_DIR is None:
+        base = os.environ.get("RLHFMEM_NVME_DIR") or None
+        _NVME_DIR = tempfile.mkdtemp(prefix=f"rlhfmem-nvme-{os.getpid()}-", dir=base)
+        atexit.register(shutil.rmtree, _NVME_DIR, True)
+    return _NVME_DIR
+
+
+_NVME_DIR: str | None = None
+
+
+def _offload_blocks(offload: bool | str, buffer_elements: int | None) -> tuple[dict, dict]:
+    """(``offload_param``, ``offload_optimizer``): none, to the host (``cpu``), or swapped to NVMe with pinned
+    staging buffers of ``buffer_elements`` elements each (DeepSpeed requires the largest parameter to fit)."""
+    if offload == "nvme":
+        path = nvme_dir()
+        # max_in_cpu 0: no parameter kept in host memory besides the staging buffers (DeepSpeed's default, 1e9
+        # elements, would hold a whole small model on the host and swap nothing)
+        return ({"device": "nvme", "nvme_path": path, "buffer_count": NVME_BUFFER_COUNT,
+                 "buffer_size": int(buffer_elements or 10**8), "max_in_cpu": 0},
+                {"device": "nvme", "nvme_path": path, "buffer_count": 4})
     device = "cpu" if offload else "none"
+    return {"device": device}, {"device": device}
+
+
+def get_train_ds_config(stage: int, offload: bool | str, dtype: torch.dtype, micro_batch: int, world_size: int,
+                        bucket_elements: int | None, nvme_buffer_elements: int | None = None) -> dict:
+    """``get_train_ds_config``: ZeRO stage, offload of params and optimizer (host or NVMe), fp16/bf16,
+    clipping 1.0."""
+    offload_param, offload_optimizer = _offload_blocks(offload, nvme_buffer_elements)
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": True,
-        "offload_param": {"device": device},
-        "offload_optimizer": {"device": device},
+        "offload_param": offload_param,
+        "offload_optimizer": offload_optimizer,
         "stage3_param_persistence_threshold": 1e4,
         "stage3_max_live_parameters": 3e7,
         "stage3_prefetch_bucket_size": 3e7,
@@ -64,15 +104,18 @@ def get_train_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_bat
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
     }
+    if offload == "nvme":
+        cfg["aio"] = dict(AIO)
     cfg.update(_precision(dtype))
     return cfg
 
 
-def get_eval_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_batch: int, world_size: int,
-                       bucket_elements: int | None) -> dict:
+def get_eval_ds_config(stage: int, offload: bool | str, dtype: torch.dtype, micro_batch: int, world_size: int,
+                       bucket_elements: int | None, nvme_buffer_elements: int | None = None) -> dict:
     """``get_eval_ds_config``: inference engines; offload_param only acts at stage 3."""
+    offload_param = _offload_blocks(offload, nvme_buffer_elements)[0] if stage == 3 else {"device": "none"}
     zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 1e4,
-                            "offload_param": {"device": "cpu" if offload else "none"},
+                            "offload_param": offload_param if offload else {"device": "none"},
                             "memory_efficient_linear": False}
     if bucket_elements is not None:
         zero.update(stage3_prefetch_bucket_size=bucket_elements, stage3_max_live_parameters=bucket_elements,
@@ -80,8 +123,22 @@ def get_eval_ds_config(stage: int, offload: bool, dtype: torch.dtype, micro_batc
     cfg: dict[str, Any] = {"train_batch_size": micro_batch * world_size,
                            "train_micro_batch_size_per_gpu": micro_batch, "steps_per_print": 10**9,
                            "zero_optimization": zero, "wall_clock_breakdown": False}
+    if offload_param.get("device") == "nvme":
+        cfg["aio"] = dict(AIO)
     cfg.update(_precision(dtype))
     return cfg
+
+
+def largest_parameter(pair) -> int:  # noqa: ANN001 - a models.ModelPair
+    """Elements of the pair's largest parameter (embeddings, positions or an FFN matrix): the NVMe staging
+    buffer must hold it."""
+    out = 0
+    for spec in (pair.actor, pair.critic):
+        c = spec.config
+        hidden = c.get("hidden_size", 0)
+        out = max(out, c.get("vocab_size", 0) * max(hidden, c.get("word_embed_proj_dim", 0)),
+                  (c.get("max_position_embeddings", 0) + 2) * hidden, hidden * c.get("ffn_dim", 0))
+    return out
 
 
 def _precision(dtype: torch.dtype) -> dict:

@@ -24,7 +24,7 @@ from .builders import (
     create_critic_model, init_actor_and_ref, init_reward, lora_critic, make_optimizer, offloaded_tensors,
     optimizer_state_summary,
 )
-from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config
+from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter
 
 
 def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -43,8 +43,9 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     buckets = pair.bucket_elements
     ref_stage = 3 if stage == 3 else 0  # rlhf_engine.py: reference follows the actor's stage 3
     reward_stage = 3 if stage == 3 else 0  # reward follows the critic's stage 3
-    train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets)
-    eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets)
+    nvme = largest_parameter(pair) if offload == "nvme" else None  # staging buffers hold the largest parameter
+    train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets, nvme)
+    eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets, nvme)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
     hooks = FaultHooks(scenario, rank)
 
@@ -61,7 +62,8 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
                                                  config=train_cfg)
         rec.host_resident(offloaded_tensors(critic_engine, offload))
         reward_engine = init_reward(scenario, pair, rec,
-                                    get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets),
+                                    get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets,
+                                                       nvme),
                                     dtype)
         hooks.at("init")
 

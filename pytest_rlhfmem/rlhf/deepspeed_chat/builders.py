@@ -17,7 +17,7 @@ from ...placement import deepspeed_offloaded_tensors
 from ..common import convert_to_lora
 from ..models import ModelPair, ModelSpec, build_base_model, build_causal_lm, output_width
 from ..scenario import Scenario
-from .configs import STRATEGY_SETTINGS
+from .configs import STRATEGY_SETTINGS, per_engine
 
 class RewardModel(torch.nn.Module):
     """DeepSpeed-Chat's critic/reward: a base transformer plus ``v_head = Linear(hidden, 1, bias=False)``."""
@@ -116,6 +116,7 @@ def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train
     import deepspeed
 
     stage, offload, _ = STRATEGY_SETTINGS[scenario.strategy]
+    train_cfg, eval_cfg = per_engine(train_cfg, "actor"), per_engine(eval_cfg, "reference")
     actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype)
     if lora_dim > 0:
         actor = convert_to_lora(actor, pair, lora_dim, only_lora)
@@ -134,6 +135,7 @@ def init_reward(scenario: Scenario, pair: ModelPair, rec: Recorder, reward_cfg: 
     import deepspeed
 
     stage, offload, _ = STRATEGY_SETTINGS[scenario.strategy]
+    reward_cfg = per_engine(reward_cfg, "reward")
     reward = create_critic_model(pair.critic, reward_cfg, scenario.get("critic_path"), dtype)
     reward_engine, *_ = deepspeed.initialize(model=reward, config=reward_cfg)
     rec.host_resident(offloaded_tensors(reward_engine, offload and stage == 3))

@@ -60,6 +60,25 @@ def nvme_dir() -> str:
 _NVME_DIR: str | None = None
 
 
+def per_engine(cfg: dict, engine: str) -> dict:
+    """``cfg`` for one engine: under NVMe offload a copy whose swap path is the engine's own subdirectory.
+    DeepSpeed's swappers name their files by rank and parameter id under ``nvme_path/zero_stage_3/`` only, so
+    two engines of one process (actor and critic share the train config) would overwrite each other's swap
+    files; otherwise ``cfg`` itself."""
+    zero = cfg.get("zero_optimization", {})
+    if zero.get("offload_param", {}).get("device") != "nvme":
+        return cfg
+    import copy
+
+    out = copy.deepcopy(cfg)
+    path = os.path.join(nvme_dir(), engine)
+    os.makedirs(path, exist_ok=True)
+    for key in ("offload_param", "offload_optimizer"):
+        if out["zero_optimization"].get(key, {}).get("device") == "nvme":
+            out["zero_optimization"][key]["nvme_path"] = path
+    return out
+
+
 def _offload_blocks(offload: bool | str, buffer_elements: int | None) -> tuple[dict, dict]:
     """(``offload_param``, ``offload_optimizer``): none, to the host (``cpu``), or swapped to NVMe with pinned
     staging buffers of ``buffer_elements`` elements each (DeepSpeed requires the largest parameter to fit)."""

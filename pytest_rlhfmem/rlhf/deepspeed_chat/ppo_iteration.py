@@ -24,7 +24,7 @@ from .builders import (
     create_critic_model, init_actor_and_ref, init_reward, lora_critic, make_optimizer, offloaded_tensors,
     optimizer_state_summary,
 )
-from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter
+from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter, per_engine
 
 
 def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -53,13 +53,14 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
         actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
                                                       lora_dim, only_lora)
         # critic (_init_critic): gradient checkpointing from the start
-        critic = create_critic_model(pair.critic, train_cfg, scenario.get("critic_path"), dtype)
+        critic_cfg = per_engine(train_cfg, "critic")
+        critic = create_critic_model(pair.critic, critic_cfg, scenario.get("critic_path"), dtype)
         if lora_only:
             lora_critic(critic, pair, lora_dim)
         if grad_ckpt:
             critic.gradient_checkpointing_enable()
         critic_engine, *_ = deepspeed.initialize(model=critic, optimizer=make_optimizer(critic, offload, device),
-                                                 config=train_cfg)
+                                                 config=critic_cfg)
         rec.host_resident(offloaded_tensors(critic_engine, offload))
         reward_engine = init_reward(scenario, pair, rec,
                                     get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets,

@@ -23,17 +23,12 @@ re-exports the column and summary names its callers import from it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 import sys
 from array import array
 from pathlib import Path
 
-from filelock import FileLock
-
 from .allocator import AllocatorConfig, AllocatorConfigError, DEFAULT_POOL, kRoundUpPowerOfTwoIntervals
+from .cbuild import build_library
 from .columns import ACTIONS, CODE, OTHER, TraceColumns, columns_from_trace
 from .events import OOM, SegmentState
 from .metrics import WindowMetrics
@@ -61,11 +56,6 @@ class EngineUnavailable(RuntimeError):
 
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
-_CXXFLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def library_path() -> Path:
@@ -73,31 +63,7 @@ def library_path() -> Path:
 
     Raises :class:`EngineUnavailable` without a compiler or when the build fails.
     """
-    cxx = _compiler()
-    if cxx is None:
-        raise EngineUnavailable(f"no C++ compiler ({os.environ.get('CXX') or 'g++'} not on PATH)")
-    real = os.path.realpath(cxx)
-    st = os.stat(real)
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode()
-                         + f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
-    out = cache / f"replay_core_{key}.so"
-    if out.exists():
-        return out
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / "replay_core.lock")):
-        if out.exists():  # another process built it while this one waited
-            return out
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            proc = subprocess.run([cxx, *_CXXFLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                  timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise EngineUnavailable(f"cannot run {cxx}: {exc}") from None
-        if proc.returncode != 0:
-            raise EngineUnavailable(f"{cxx} failed building {SOURCE.name}: {proc.stderr.strip()[-1000:]}")
-        tmp.replace(out)
-    return out
+    return build_library(SOURCE, EngineUnavailable)
 
 
 def load_library() -> ctypes.CDLL:

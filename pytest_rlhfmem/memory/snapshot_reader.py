@@ -20,17 +20,12 @@ This module sits below ``trace.py`` (which uses it) and above the column codes.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
+from .cbuild import build_library
 from .columns import ACTIONS, CODE
 from .events import ALLOC, FREE, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
 
@@ -40,7 +35,6 @@ __all__ = ["COMPILED_READER", "PYTHON_READER", "ReaderUnavailable", "SnapshotEnt
 SOURCE = Path(__file__).with_name("csrc") / "snapshot_reader.cpp"
 COMPILED_READER = "compiled"
 PYTHON_READER = "python"
-_CXXFLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
 _lib: ctypes.CDLL | None = None
 _unavailable: str | None = None
 
@@ -51,31 +45,7 @@ class ReaderUnavailable(RuntimeError):
 
 def library_path() -> Path:
     """Build the reader if no cached build matches (source, flags, compiler binary); return its path."""
-    cxx = shutil.which(os.environ.get("CXX") or "g++")
-    if cxx is None:
-        raise ReaderUnavailable(f"no C++ compiler ({os.environ.get('CXX') or 'g++'} not on PATH)")
-    real = os.path.realpath(cxx)
-    st = os.stat(real)
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CXXFLAGS).encode()
-                         + f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
-    out = cache / f"snapshot_reader_{key}.so"
-    if out.exists():
-        return out
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / "snapshot_reader.lock")):
-        if out.exists():  # another process built it while this one waited
-            return out
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        try:
-            proc = subprocess.run([cxx, *_CXXFLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                  timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ReaderUnavailable(f"cannot run {cxx}: {exc}") from None
-        if proc.returncode != 0:
-            raise ReaderUnavailable(f"{cxx} failed building {SOURCE.name}: {proc.stderr.strip()[-1000:]}")
-        tmp.replace(out)
-    return out
+    return build_library(SOURCE, ReaderUnavailable)
 
 
 def _load() -> ctypes.CDLL:

@@ -449,6 +449,7 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
     with the list of valid ones."""
     from .rlhf.launch import run_scenario
     from .rlhf.scenario import Scenario, ScenarioError
+    from .timing import run_rounds
 
     def run(framework: str = "deepspeed-chat", models: str = "tiny-opt", strategy: str = "none",
             flush: str = "none", world_size: int = 2, device: str | None = None, algorithm: str = "ppo",
@@ -467,12 +468,8 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
             return data
 
         try:
-            data = once(_opt(request.config, "rlhfmem_snapshots"))
-            rounds = _opt(request.config, "rlhfmem_time_rounds") or 1
-            if rounds > 1 and data["status"] == "ok":  # time noise from repeated iterations (timing.py)
-                from .timing import with_rounds
-
-                data = with_rounds(data, [once(None) for _ in range(rounds - 1)])
+            data, _ = run_rounds(once, _opt(request.config, "rlhfmem_time_rounds") or 1,
+                                 _opt(request.config, "rlhfmem_snapshots"))
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
         result = IterationResult(data)
@@ -496,6 +493,7 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
     fails the test with its rank, phase and memory so far; a command that cannot run (not found, exits
     before its first allocation, never imports torch) fails the test naming the command."""
     from .command.run import CommandError, run_command
+    from .timing import run_rounds
 
     def run(cmd: Sequence[str] | str, *, id: str, world_size: int | None = None,  # noqa: A002
             timeout: float | None = None, env: dict | None = None, device: str | None = None,
@@ -512,12 +510,8 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
             return data
 
         try:
-            data = once(_opt(request.config, "rlhfmem_snapshots"))
-            rounds = _opt(request.config, "rlhfmem_time_rounds") or 1
-            if rounds > 1 and data["status"] == "ok":  # time noise from repeated runs (timing.py)
-                from .timing import with_rounds
-
-                data = with_rounds(data, [once(None) for _ in range(rounds - 1)])
+            data, _ = run_rounds(once, _opt(request.config, "rlhfmem_time_rounds") or 1,
+                                 _opt(request.config, "rlhfmem_snapshots"))
         except CommandError as exc:
             bad = str(exc)
         else:

@@ -117,6 +117,19 @@ def compare_times(base: TimeFigure | None, head: TimeFigure | None) -> tuple[str
                                                    f"+-{pct:.0f}%, {base.source} vs {head.source})")
 
 
+def run_rounds(once, rounds: int, snapshot_dir=None) -> tuple[dict, list[dict]]:  # noqa: ANN001
+    """Run ``once(snapshot_dir)`` and, when it succeeded and ``rounds`` > 1, ``once(None)`` ``rounds - 1`` more
+    times (snapshots from the first run only); returns the result with the extra rounds folded in
+    (:func:`with_rounds`) and every run made (for their work directories). ``rlhfmem run``, ``rlhfmem capture``
+    and the plugin's two fixtures share it."""
+    first = once(snapshot_dir)
+    runs = [first]
+    if rounds > 1 and first["status"] == "ok":  # time noise from repeated runs
+        runs += [once(None) for _ in range(rounds - 1)]
+        return with_rounds(first, runs[1:]), runs
+    return first, runs
+
+
 def with_rounds(first: dict, more: list[dict]) -> dict:
     """Fold extra rounds of the same scenario into ``first`` (its memory figures and traces are kept):
     ``time_rounds`` lists each round's iteration time, ``iteration_wall_s`` becomes their median. A failed

@@ -39,6 +39,7 @@ def _capture(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from ..results import IterationResult
     from ..memory.trace_io import write_result_json
+    from ..timing import run_rounds
     from ..rlhf.cli_run import finish_runs, phase_table
     from .run import CommandError, default_id, plan_command, run_command
 
@@ -59,13 +60,7 @@ def _capture(args: argparse.Namespace) -> int:
                            cuda_emulation=args.cuda_emulation)
 
     try:
-        result = once(args.snapshot_dir)
-        rounds = [result]
-        if args.time_rounds > 1 and result["status"] == "ok":  # time noise from repeated runs (timing.py)
-            from ..timing import with_rounds
-
-            rounds += [once(None) for _ in range(args.time_rounds - 1)]
-            result = with_rounds(result, rounds[1:])
+        result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)
     except CommandError as exc:
         raise CliError(str(exc)) from None
     label = ("measured: CUDA caching allocator" if not result["simulated"] else

@@ -82,6 +82,7 @@ def phase_table(result: dict) -> list[str]:
 def _run(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from .launch import run_scenario
+    from ..timing import run_rounds
     from .scenario import Scenario, ScenarioError
 
     overrides = {"batch_size": args.batch_size} if args.batch_size else {}
@@ -94,15 +95,9 @@ def _run(args: argparse.Namespace) -> int:
                             args.algorithm)
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
-        result = run_scenario(scenario, device=args.device, timeout=args.timeout, snapshot_dir=args.snapshot_dir,
-                              cuda_emulation=args.cuda_emulation)
-        rounds = [result]
-        if args.time_rounds > 1 and result["status"] == "ok":
-            from ..timing import with_rounds
-
-            rounds += [run_scenario(scenario, device=args.device, timeout=args.timeout,
-                                    cuda_emulation=args.cuda_emulation) for _ in range(args.time_rounds - 1)]
-            result = with_rounds(result, rounds[1:])
+        result, rounds = run_rounds(lambda snapshots: run_scenario(
+            scenario, device=args.device, timeout=args.timeout, snapshot_dir=snapshots,
+            cuda_emulation=args.cuda_emulation), args.time_rounds, args.snapshot_dir)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"

@@ -82,6 +82,8 @@ def configs(draw) -> str:
         parts.append(f"garbage_collection_threshold:{draw(st.sampled_from([0.1, 0.3, 0.5, 0.6, 0.8, 0.95]))}")
     if draw(st.integers(0, 2)) == 0:
         parts.append("expandable_segments:True")
+    if draw(st.integers(0, 3)) == 0:  # PyTorch 2.10's key (PR 161035): a cap below the device's capacity
+        parts.append(f"per_process_memory_fraction:{draw(st.sampled_from([0.0, 0.25, 0.5, 0.9, 1.0]))}")
     return ",".join(parts)
 
 
@@ -201,6 +203,20 @@ def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capa
     assert_same(py, cc)
 
 
+@st.composite
+def versioned(draw, conf: str) -> AllocatorConfig:
+    """``conf`` under a random PyTorch version, with random use_on_oom pools (2.8+) and no_split pools (2.10+)."""
+    version = draw(st.sampled_from([None, "2.7", "2.8", "2.9", "2.10"]))
+    if version in ("2.7", "2.8", "2.9"):
+        conf = ",".join(p for p in conf.split(",") if not p.startswith("per_process_memory_fraction"))
+    config = AllocatorConfig.parse(conf, version)
+    v = config.torch_version
+    oom = draw(st.permutations(POOL_IDS).flatmap(lambda ids: st.integers(0, 3).map(lambda k: ids[:k])))
+    no_split = draw(st.lists(st.sampled_from(POOL_IDS), max_size=2, unique=True))
+    return config.with_options(use_on_oom_pools=oom if v is None or v >= (2, 8) else (),
+                               no_split_pools=no_split if v is None or v >= (2, 10) else ())
+
+
 pool_ops = st.lists(st.tuples(st.sampled_from(OPS + POOL_OPS), sizes, st.integers(0, 10**6), st.integers(0, 1)),
                     min_size=30, max_size=300)
 
@@ -208,15 +224,18 @@ pool_ops = st.lists(st.tuples(st.sampled_from(OPS + POOL_OPS), sizes, st.integer
 @needs_gxx
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops_list=pool_ops, conf=configs(), capacity=st.sampled_from([None, None, 24 * MiB, 64 * MiB, 200 * MiB]),
-       with_initial=st.sampled_from([False, True, "pool"]), mode=st.sampled_from([FREE_RUNNING, ANCHORED]))
-def test_compiled_core_equals_python_model_with_private_pools(ops_list, conf, capacity, with_initial, mode):
+       with_initial=st.sampled_from([False, True, "pool"]), mode=st.sampled_from([FREE_RUNNING, ANCHORED]),
+       data=st.data())
+def test_compiled_core_equals_python_model_with_private_pools(ops_list, conf, capacity, with_initial, mode, data):
     """Private pools (issue 22): random traces with POOL_ENTER / POOL_EXIT / POOL_RELEASE of three pools
     (nested and interleaved regions, pools released while their blocks live, a pool's segment live before the
     trace) among allocations, frees, flushes, recorded cudaFree batches and OOMs past a capacity: the compiled
     core gives the Python model's ReplayResult, field for field, or refuses the same marker with the same
-    message."""
+    message. Under every modelled PyTorch version (2.7: empty_cache scoped to the region's pool; 2.8-2.9:
+    use_on_oom pools last; 2.10: use_on_oom pools first, no_split pools, the innermost region), with random
+    use_on_oom and no_split pools."""
     trace = build_trace(ops_list, with_initial)
-    config = AllocatorConfig.parse(conf)
+    config = data.draw(versioned(conf), label="config")
     try:
         py = replay(trace, config, mode, capacity=capacity, record_series=False)
     except ReplayError as exc:  # unbalanced markers: the same event, the same words
@@ -244,6 +263,11 @@ def test_compiled_core_equals_python_model_with_private_pools(ops_list, conf, ca
         event("a released pool still holds memory")
     if py.total.ooms and any(e.action == POOL_ENTER for e in trace.events):
         event("ooms with pool markers")
+    if config.use_on_oom_pools:
+        event(f"use_on_oom pools, torch {config.torch_version}")
+    if any(b.pool.owner_private_pool is not None and b.allocated and b.pool.owner_private_pool.id
+           in config.use_on_oom_pools for b in model.active_blocks.values()) and not model.captures_underway:
+        event("a use_on_oom pool's block live at the end")
     assert cc.engine_reason.endswith("private pools")
     assert_same(py, cc)
 

@@ -21,14 +21,24 @@ segment sizing, best fit by (stream, size, address), splitting, merging on free,
 and ``expandable_segments:True`` (one growing virtual segment per (stream, pool), mapped and unmapped
 in 2 MiB pages for a small pool and 20 MiB pages for a large one).
 
+PyTorch 2.8-2.10 additions, each selected by ``AllocatorConfig.torch_version`` (``None``: the newest
+behaviour modelled), read in ``c10/cuda/CUDACachingAllocator.cpp`` and ``CUDAAllocatorConfig.cpp`` of main after
+PRs 169699 and 169739 (Dec 2025): ``per_process_memory_fraction`` as an allocator-config key (2.10, PR 161035);
+``MemPool(use_on_oom=True)`` pools as a last resort before an OOM (2.8, PR 151487), tried before any cached
+block is released from 2.10 (PR 169699); ``MemPool(no_split=True)`` pools (2.10, PR 169739); the innermost
+``use_mem_pool`` region taking the allocations (2.10, nested pools, PR 168382); and ``empty_cache()`` inside a
+``use_mem_pool`` region scoped to that region's pool in 2.6-2.7 (PR 133602), every pool nobody holds from 2.8
+(PR 154042).
+
 What is not: cross-stream ``record_stream`` events (a replay frees a block at ``free_completed``, the
-moment the real allocator returned it to its pool), the ``use_on_oom`` pool fallback of 2.8+, and
-custom allocators behind a MemPool (their segments are modelled as cudaMalloc'd ones).
+moment the real allocator returned it to its pool; so ``graph_capture_record_stream_reuse``, PR 158352, which
+only changes when such blocks are reused during a graph capture, is parsed and has no effect), and custom
+allocators behind a MemPool (their segments are modelled as cudaMalloc'd ones).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable
 
 from bisect import bisect_left, insort
@@ -75,6 +85,30 @@ def alloc_conf_variable(torch_version: str | None, conf: str = "") -> tuple[str,
     return new, f"torch {major}.{minor} reads {new} first; {old} is its deprecated alias"
 
 
+def parse_torch_version(torch_version: str | tuple[int, int] | None) -> tuple[int, int] | None:
+    """``"2.10.0+cu128"`` -> ``(2, 10)``; a ``(major, minor)`` tuple is returned as is; ``None`` -> ``None``.
+
+    Raises :class:`AllocatorConfigError` for a string that does not start with ``major.minor``."""
+    if torch_version is None or isinstance(torch_version, tuple):
+        return torch_version
+    try:
+        major, minor = (int(x) for x in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        raise AllocatorConfigError(
+            f"torch version {torch_version!r}: expected 'major.minor[.patch]', e.g. '2.10' or '2.9.1+cu128'") from None
+    return major, minor
+
+
+# The PyTorch version each modelled behaviour appeared in (the first release containing the PR).
+PER_PROCESS_MEMORY_FRACTION_KEY = (2, 10)  # PR 161035, in the 2.10.0 release notes (CUDA improvements)
+GRAPH_CAPTURE_RECORD_STREAM_REUSE_KEY = (2, 9)  # PR 158352; 2.9 snapshots carry the key in allocator_settings
+USE_ON_OOM_POOLS = (2, 8)  # PR 151487, MemPool(use_on_oom=True)
+EMPTY_CACHE_ALL_FREEABLE_POOLS = (2, 8)  # PR 154042 (MemPoolContext removed); 2.6-2.7: PR 133602's scoping
+USE_ON_OOM_BEFORE_RELEASE = (2, 10)  # PR 169699 (Dec 2025, with 169739 in the 2.10 cycle)
+NO_SPLIT_POOLS = (2, 10)  # PR 169739, MemPool(no_split=True), in the 2.10.0 release notes
+NESTED_POOLS_INNERMOST = (2, 10)  # PR 168382 (get_pool searches captures_underway last-in first)
+
+
 class AllocatorConfigError(ValueError):
     """A ``PYTORCH_CUDA_ALLOC_CONF`` string the model cannot accept; the message names the key."""
 
@@ -98,15 +132,29 @@ _ALLOWED_KEYS = (
     "pinned_use_cuda_host_register",
     "pinned_num_register_threads",
     "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+    "graph_capture_record_stream_reuse",
+    "per_process_memory_fraction",
 )
+# Keys a PyTorch version before the one named here rejects as unknown ("Unrecognized key ... in CUDA allocator
+# config").
+_KEY_SINCE = {"per_process_memory_fraction": PER_PROCESS_MEMORY_FRACTION_KEY,
+              "graph_capture_record_stream_reuse": GRAPH_CAPTURE_RECORD_STREAM_REUSE_KEY}
 
 
 @dataclass(frozen=True)
 class AllocatorConfig:
-    """The allocator settings that change device memory (``CUDAAllocatorConfig``).
+    """The allocator settings that change device memory (``CUDAAllocatorConfig``), and the PyTorch version.
 
     ``max_split_size`` and ``max_non_split_rounding_size`` are bytes; ``roundup_power2_divisions`` is
-    the 16-bucket table indexed by ``clamp(floor(log2(size)) - 20, 0, 15)``.
+    the 16-bucket table indexed by ``clamp(floor(log2(size)) - 20, 0, 15)``. ``per_process_memory_fraction``
+    (0.0-1.0; 1.0 = no cap) caps reserved bytes at that fraction of the device's memory.
+
+    Not from the conf string: ``torch_version`` ``(major, minor)`` selects the behaviours of that release
+    (``None``: the newest modelled); ``use_on_oom_pools`` and ``no_split_pools`` are the ids of the
+    ``torch.cuda.MemPool`` objects created with ``use_on_oom=True`` / ``no_split=True`` (a snapshot does not
+    record them), ``use_on_oom_pools`` in the order they are tried. Raises :class:`AllocatorConfigError` for a
+    setting the given version does not have.
     """
 
     max_split_size: int = UNLIMITED
@@ -115,28 +163,67 @@ class AllocatorConfig:
     garbage_collection_threshold: float = 0.0
     expandable_segments: bool = False
     source: str = ""
+    per_process_memory_fraction: float = 1.0
+    graph_capture_record_stream_reuse: bool = False
+    torch_version: tuple[int, int] | str | None = None  # a string is parsed: parse_torch_version
+    use_on_oom_pools: tuple[tuple[int, int], ...] = ()
+    no_split_pools: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        # accept "2.10.0+cu128" and lists of ids (normalised: the config is hashable and compares by value)
+        object.__setattr__(self, "torch_version", parse_torch_version(self.torch_version))
+        for key in ("use_on_oom_pools", "no_split_pools"):
+            object.__setattr__(self, key, tuple(tuple(p) for p in getattr(self, key)))
+        v = self.torch_version
+        if v is None:
+            return
+        shown = f"{v[0]}.{v[1]}"
+        if self.per_process_memory_fraction != 1.0 and v < PER_PROCESS_MEMORY_FRACTION_KEY:
+            raise AllocatorConfigError(
+                f"per_process_memory_fraction: an allocator-config key from PyTorch 2.10 (PR 161035); torch {shown} "
+                "rejects it as unknown (use torch.cuda.set_per_process_memory_fraction, or --device-memory-gib)")
+        if self.use_on_oom_pools and v < USE_ON_OOM_POOLS:
+            raise AllocatorConfigError(f"MemPool(use_on_oom=True) exists from PyTorch 2.8 (PR 151487), not in {shown}")
+        if self.no_split_pools and v < NO_SPLIT_POOLS:
+            raise AllocatorConfigError(f"MemPool(no_split=True) exists from PyTorch 2.10 (PR 169739), not in {shown}")
+
+    def since(self, version: tuple[int, int]) -> bool:
+        """True when the modelled PyTorch is ``version`` or later (an unknown version is the newest)."""
+        return self.torch_version is None or self.torch_version >= version
+
+    def with_options(self, **changes) -> AllocatorConfig:
+        """A copy with ``changes`` (``dataclasses.replace``); ``torch_version`` may be a string like
+        ``"2.10.0"``. Raises :class:`AllocatorConfigError` as the constructor does."""
+        return replace(self, **changes)
 
     @classmethod
-    def parse(cls, conf: str | None) -> AllocatorConfig:
+    def parse(cls, conf: str | None, torch_version: str | tuple[int, int] | None = None) -> AllocatorConfig:
         """Parse a ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` string strictly
-        (``CUDAAllocatorConfig::parseArgs``). A pasted environment assignment (``PYTORCH_ALLOC_CONF=...`` or
+        (``CUDAAllocatorConfig::parseArgs``) for ``torch_version`` (``"2.10"``, ``(2, 10)`` or ``None``: the
+        newest modelled). A pasted environment assignment (``PYTORCH_ALLOC_CONF=...`` or
         ``PYTORCH_CUDA_ALLOC_CONF=...``) is accepted: its value is parsed.
 
         Raises :class:`AllocatorConfigError` naming the offending key and the allowed forms for an
-        unknown key or a malformed value.
+        unknown key, a key that version does not have, or a malformed value.
         """
+        version = parse_torch_version(torch_version)
         for name in ALLOC_CONF_VARIABLES:
             if conf and conf.strip().startswith(name + "="):
                 conf = conf.strip()[len(name) + 1:].strip("'\"")
         if not conf or not conf.strip():
-            return cls()
-        kw: dict = {"source": conf}
+            return cls(torch_version=version)
+        kw: dict = {"source": conf, "torch_version": version}
         for item in _split_top_level(conf):
             if ":" not in item:
                 raise AllocatorConfigError(
                     f"alloc-conf item {item!r} is not 'key:value'; allowed keys: {', '.join(_ALLOWED_KEYS)}"
                 )
             key, value = (s.strip() for s in item.split(":", 1))
+            since = _KEY_SINCE.get(key)
+            if since is not None and version is not None and version < since:
+                raise AllocatorConfigError(
+                    f"{key}: an allocator-config key from PyTorch {since[0]}.{since[1]}; torch "
+                    f"{version[0]}.{version[1]} rejects it as unknown")
             if key == "max_split_size_mb":
                 mb = _parse_int(key, value, "an integer number of MiB > 20")
                 if mb <= kLargeBuffer // MiB:
@@ -163,6 +250,21 @@ class AllocatorConfig:
                 if value not in ("True", "False"):
                     raise AllocatorConfigError(f"expandable_segments={value!r}: allowed values are True, False")
                 kw["expandable_segments"] = value == "True"
+            elif key == "per_process_memory_fraction":
+                try:
+                    fraction = float(value)
+                except ValueError:
+                    fraction = -1.0
+                if not 0.0 <= fraction <= 1.0:  # CUDAAllocatorConfig::parsePerProcessMemoryFraction
+                    raise AllocatorConfigError(
+                        f"per_process_memory_fraction={value!r}: allowed values are numbers from 0.0 to 1.0 (the "
+                        "fraction of the device's memory the allocator may reserve; 1.0 = no cap)")
+                kw["per_process_memory_fraction"] = fraction
+            elif key == "graph_capture_record_stream_reuse":
+                if value not in ("True", "False"):
+                    raise AllocatorConfigError(
+                        f"graph_capture_record_stream_reuse={value!r}: allowed values are True, False")
+                kw["graph_capture_record_stream_reuse"] = value == "True"
             elif key == "backend":
                 if value != "native":
                     raise AllocatorConfigError(
@@ -178,24 +280,90 @@ class AllocatorConfig:
         return cls(**kw)
 
     @classmethod
-    def from_snapshot_settings(cls, settings: dict | None) -> AllocatorConfig:
-        """Rebuild the config from a snapshot's ``allocator_settings`` (torch >= 2.3); ``None`` -> defaults."""
+    def from_snapshot_settings(cls, settings: dict | None,
+                               torch_version: str | tuple[int, int] | None = None) -> AllocatorConfig:
+        """Rebuild the config from a snapshot's ``allocator_settings`` (torch >= 2.3); ``None`` -> defaults.
+
+        The conf string (``PYTORCH_ALLOC_CONF``, else ``PYTORCH_CUDA_ALLOC_CONF``) is parsed first; the effective
+        values PyTorch writes beside it (``torch/csrc/cuda/Module.cpp``, ``_memory_snapshot``) then win where
+        present, since ``torch.cuda.memory._set_allocator_settings`` changes them without the string:
+        ``max_split_size`` (bytes; -1 = unlimited), ``garbage_collection_threshold``,
+        ``roundup_power2_divisions`` (``{"1": div, ..., "32768": div}``, keys in MiB), ``expandable_segments``
+        (only ``True`` is taken: the flag of a trace this project wrote is always ``False``),
+        ``per_process_memory_fraction`` and ``graph_capture_record_stream_reuse``. Raises
+        :class:`AllocatorConfigError` naming the key for a value PyTorch could not have written.
+        """
+        version = parse_torch_version(torch_version)
         if not settings:
-            return cls()
+            return cls(torch_version=version)
         # PyTorch >= 2.9 reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF as its alias
         conf = settings.get("PYTORCH_ALLOC_CONF") or settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
-        config = cls.parse(conf)
+        config = cls.parse(conf, version)
         if settings.get("expandable_segments") is True and not config.expandable_segments:
             # set through torch.cuda.memory._set_allocator_settings: the flag is in the settings only
             conf = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
-            config = cls.parse(conf)
-        return config
+            config = cls.parse(conf, version)
+        return config.with_options(**_effective_settings(settings, config))
 
     def roundup_divisions_for(self, size: int) -> int:
         """``CUDAAllocatorConfig::roundup_power2_divisions(size)``."""
         log_size = size.bit_length() - 1
         index = log_size - 20 if log_size > 20 else 0
         return self.roundup_power2_divisions[min(index, kRoundUpPowerOfTwoIntervals - 1)]
+
+
+def _effective_settings(settings: dict, config: AllocatorConfig) -> dict:
+    """The effective values of a snapshot's ``allocator_settings`` that differ from ``config``, as
+    :meth:`AllocatorConfig.with_options` keywords. Raises :class:`AllocatorConfigError` for a malformed one."""
+    out: dict = {}
+
+    def bad(key: str, allowed: str) -> AllocatorConfigError:
+        return AllocatorConfigError(f"allocator_settings[{key!r}] = {settings[key]!r}: expected {allowed}")
+
+    if "max_split_size" in settings:
+        v = settings["max_split_size"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad("max_split_size", "an integer number of bytes (-1: unlimited)")
+        ms = UNLIMITED if v < 0 or v >= UNLIMITED else v
+        if ms != UNLIMITED and ms <= kLargeBuffer:
+            raise bad("max_split_size", "more than 20 MiB, or -1 (unlimited)")
+        if ms != config.max_split_size:
+            out["max_split_size"] = ms
+    if "garbage_collection_threshold" in settings:
+        v = settings["garbage_collection_threshold"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            raise bad("garbage_collection_threshold", "a number from 0.0 (off) to below 1.0")
+        if float(v) != config.garbage_collection_threshold:
+            out["garbage_collection_threshold"] = float(v)
+    if "roundup_power2_divisions" in settings:
+        v = settings["roundup_power2_divisions"]
+        allowed = "a dict of power-of-2 MiB keys ('1' .. '32768') to 0 or a power of 2"
+        if not isinstance(v, dict):
+            raise bad("roundup_power2_divisions", allowed)
+        table = list(config.roundup_power2_divisions)
+        for k, div in v.items():
+            try:
+                mb = int(k)
+            except (TypeError, ValueError):
+                raise bad("roundup_power2_divisions", allowed) from None
+            if (not _is_power_of_2(mb) or isinstance(div, bool) or not isinstance(div, int)
+                    or (div != 0 and not _is_power_of_2(div))):
+                raise bad("roundup_power2_divisions", allowed)
+            table[min(mb.bit_length() - 1, kRoundUpPowerOfTwoIntervals - 1)] = div
+        if tuple(table) != config.roundup_power2_divisions:
+            out["roundup_power2_divisions"] = tuple(table)
+    if "per_process_memory_fraction" in settings:
+        v = settings["per_process_memory_fraction"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise bad("per_process_memory_fraction", "a number from 0.0 to 1.0")
+        if float(v) != config.per_process_memory_fraction:
+            out["per_process_memory_fraction"] = float(v)
+    if "graph_capture_record_stream_reuse" in settings:
+        v = settings["graph_capture_record_stream_reuse"]
+        if not isinstance(v, bool):
+            raise bad("graph_capture_record_stream_reuse", "True or False")
+        out["graph_capture_record_stream_reuse"] = v
+    return out
 
 
 def _split_top_level(conf: str) -> list[str]:
@@ -268,6 +436,17 @@ DEFAULT_POOL: tuple[int, int] = (0, 0)  # MempoolId_t of the default pools
 # ExpandableSegment reserves address space for 1 1/8 of the device's memory; without a known
 # capacity the model assumes an 80 GiB device (only the unmapped tail's size depends on it).
 DEFAULT_DEVICE_MEMORY = 80 * GiB
+
+
+def allowed_memory_maximum(config: AllocatorConfig, capacity: int | None) -> int | None:
+    """The bytes the allocator may reserve on a device of ``capacity`` bytes (``None``: unlimited) under
+    ``config.per_process_memory_fraction`` (``DeviceCachingAllocator::setMemoryFraction``: below 1.0,
+    ``int(fraction * total)``; 1.0 leaves the device's own limit). An unknown capacity counts as an 80 GiB
+    device (``DEFAULT_DEVICE_MEMORY``) when a fraction is set."""
+    fraction = config.per_process_memory_fraction
+    if fraction >= 1.0:
+        return capacity
+    return int(fraction * (capacity if capacity is not None else DEFAULT_DEVICE_MEMORY))
 
 
 class ExpandableSegment:
@@ -461,9 +640,11 @@ class CachingAllocatorModel:
 
     Args:
         config: the allocator settings (see :meth:`AllocatorConfig.parse`).
-        capacity: bytes the process may reserve (``set_per_process_memory_fraction`` x total memory,
-            or the device's free memory); ``None`` = unlimited. A cudaMalloc (or page mapping) past it
-            fails, which drives the retry path and, last, :class:`OutOfMemoryError`.
+        capacity: bytes of the device the process may use (its total memory, or its free memory); ``None`` =
+            unlimited. A cudaMalloc (or page mapping) past it fails, which drives the retry path and, last,
+            :class:`OutOfMemoryError`. A ``per_process_memory_fraction`` below 1.0 lowers it to
+            ``int(fraction * capacity)`` (``setMemoryFraction``: ``allowed_memory_maximum``; an unknown capacity
+            counts as an 80 GiB device, as for an expandable segment's address space).
         on_segment_alloc / on_segment_free / on_segment_map / on_segment_unmap: observers called as
             ``(address, size, stream)`` right after the model's cudaMalloc / cudaFree / page mapping /
             page unmapping; reserved already includes the change.
@@ -480,7 +661,11 @@ class CachingAllocatorModel:
     ) -> None:
         self.config = config or AllocatorConfig()
         self._power2_rounding = any(d > 1 for d in self.config.roundup_power2_divisions)
-        self.capacity = capacity
+        self.device_total = capacity  # an expandable segment reserves 1 1/8 of it
+        self.capacity = allowed_memory_maximum(self.config, capacity)
+        self.use_on_oom_pools = self.config.use_on_oom_pools
+        self.no_split_pools = frozenset(self.config.no_split_pools)
+        self._innermost_pool = self.config.since(NESTED_POOLS_INNERMOST)
         self.small_blocks = BlockPool(is_small=True)
         self.large_blocks = BlockPool(is_small=False)
         self.active_blocks: dict[int, Block] = {}  # address -> allocated block
@@ -525,11 +710,12 @@ class CachingAllocatorModel:
         return kRoundLarge * ((size + kRoundLarge - 1) // kRoundLarge)
 
     def get_pool(self, size: int, stream: int = 0) -> BlockPool:
-        """``get_pool``: a private pool's BlockPool while allocations are diverted to one (the first
-        entry of ``captures_underway``, as the C++ loop picks the first matching filter), else the
-        default small or large pool."""
+        """``get_pool``: a private pool's BlockPool while allocations are diverted to one, else the default
+        small or large pool. Of several open ``use_mem_pool`` regions the C++ loop takes the first matching
+        filter: the outermost before 2.10, the innermost from 2.10 (it searches ``captures_underway`` last-in
+        first, nested pools, PR 168382)."""
         if self.captures_underway:
-            pp = self.graph_pools[self.captures_underway[0]]
+            pp = self.graph_pools[self.captures_underway[-1 if self._innermost_pool else 0]]
             return pp.small_blocks if size <= kSmallSize else pp.large_blocks
         return self.small_blocks if size <= kSmallSize else self.large_blocks
 
@@ -573,30 +759,60 @@ class CachingAllocatorModel:
     def malloc(self, orig_size: int, stream: int = 0) -> Block:
         """``DeviceCachingAllocator::malloc``: returns the allocated block.
 
-        Raises :class:`OutOfMemoryError` when the miss path cannot get memory; ``num_ooms`` counts it.
+        The miss path: garbage collection, cudaMalloc, ``release_available_cached_blocks`` and retry,
+        ``release_cached_blocks`` and retry (not while allocating into a private pool). ``use_on_oom`` pools
+        (``try_mempool_fallback``) come last in 2.8-2.9 (PR 151487) and right after the first cudaMalloc fails
+        from 2.10 (PR 169699: "reuse optional mempools before expensive releasing cached blocks"). Raises
+        :class:`OutOfMemoryError` when nothing gives memory; ``num_ooms`` counts it.
         """
         size = self.round_size(orig_size)
         pool = self.get_pool(size, stream)
         alloc_size = self.get_allocation_size(size)
         block = self.get_free_block(pool, size, stream)
+        expandable_rule = None  # should_split's rule: the config's, except for a use_on_oom block from 2.10
         if block is None:
             if self.config.garbage_collection_threshold > 0.0 and self.capacity is not None:
                 self.garbage_collect_cached_blocks()
+            fallback = self.use_on_oom_pools and not pool.owner_private_pool
+            early = fallback and self.config.since(USE_ON_OOM_BEFORE_RELEASE)
+            block = self.alloc_block(pool, size, alloc_size, stream, is_retry=False)
+            if block is None and early:
+                block = self.try_mempool_fallback(size, stream)
+                expandable_rule = False if block is not None else None  # mempool_params: expandable off
             block = (
-                self.alloc_block(pool, size, alloc_size, stream, is_retry=False)
+                block
                 or (self.release_available_cached_blocks(pool, size, stream)
                     and self.alloc_block(pool, size, alloc_size, stream, is_retry=False))
                 or (not self.captures_underway
                     and self.release_cached_blocks()
                     and self.alloc_block(pool, size, alloc_size, stream, is_retry=True))
             )
+            if not block and fallback and not early:
+                block = self.try_mempool_fallback(size, stream)
             if not block:
                 self.stats.num_ooms += 1
                 raise OutOfMemoryError(
                     f"model OOM: tried to allocate {orig_size} bytes; reserved {self.stats.reserved_bytes}, "
                     f"allocated {self.stats.allocated_bytes}, capacity {self.capacity}"
                 )
-        return self.alloc_found_block(block, size, orig_size, self.should_split(block, size))
+        return self.alloc_found_block(block, size, orig_size, self.should_split(block, size, expandable_rule))
+
+    def try_mempool_fallback(self, size: int, stream: int) -> Block | None:
+        """``try_mempool_fallback`` (2.10; inline in ``malloc`` in 2.8-2.9): a cached block of ``size`` bytes
+        from the first ``use_on_oom`` pool that has one (``get_free_block`` only: never a cudaMalloc into the
+        pool), taken out of that pool; ``None`` if none has. A pool not yet created or already destroyed (its
+        MemPool released) is skipped: the C++ removes it from ``use_on_oom_pools`` on destruction from 2.10
+        (PR 169699) and asserts on it before. The C++ iterates a hash set; the model tries the pools in the
+        order ``AllocatorConfig.use_on_oom_pools`` gives."""
+        for pool_id in self.use_on_oom_pools:
+            pp = self.graph_pools.get(pool_id)
+            if pp is None or pool_id in self.graph_pools_freeable:
+                continue
+            mempool = pp.small_blocks if size <= kSmallSize else pp.large_blocks
+            block = self.get_free_block(mempool, size, stream)
+            if block is not None:
+                return block
+        return None
 
     def get_free_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
         """``get_free_block``: the single best-fit candidate, subject to the max_split_size rules."""
@@ -651,9 +867,17 @@ class CachingAllocatorModel:
         size = self.round_size(orig_size)
         return self._find_free_block(self.get_pool(size, stream), size, stream) >= 0
 
-    def should_split(self, block: Block, size: int) -> bool:
+    def should_split(self, block: Block, size: int, expandable_segments: bool | None = None) -> bool:
+        """``should_split``: never in a ``no_split`` pool (2.10, PR 169739); else the 512-byte rule in a small
+        pool or with expandable segments (``expandable_segments``: ``None`` = the config's), else the
+        max_split_size rule with a remainder above 1 MiB."""
+        owner = block.pool.owner_private_pool
+        if owner is not None and owner.id in self.no_split_pools:
+            return False
         remaining = block.size - size
-        if block.pool.is_small or self.config.expandable_segments:
+        if expandable_segments is None:
+            expandable_segments = self.config.expandable_segments
+        if block.pool.is_small or expandable_segments:
             return remaining >= kMinBlockSize
         return size < self.config.max_split_size and remaining > kSmallSize
 
@@ -763,7 +987,7 @@ class CachingAllocatorModel:
                 return c
             i += 1
         segment_size = kSmallBuffer if pool.is_small else kLargeBuffer
-        total = self.capacity if self.capacity is not None else DEFAULT_DEVICE_MEMORY
+        total = self.device_total if self.device_total is not None else DEFAULT_DEVICE_MEMORY
         address_space_size = total + total // 8
         probe = ExpandableSegment(0, segment_size, address_space_size, stream)
         ptr = self._new_address(None, probe.size())
@@ -958,8 +1182,14 @@ class CachingAllocatorModel:
         For the default id and no diversion to a pool underway: the default large pool, then the small
         one. Then every private pool nobody holds any more (``use_count`` 0): its small pool, then its
         large pool; a pool with nothing left is forgotten. A non-default id limits the second part to
-        that pool.
+        that pool. In 2.6-2.7 a call made inside a ``use_mem_pool`` region took the region's pool as its id
+        (``MemPoolContext``, PR 133602); from 2.8 the default id means every pool nobody holds (PR 154042,
+        which removed ``MemPoolContext``). The retry path's call cannot tell the two apart in one thread: it
+        runs only with no pool region open.
         """
+        if (mempool_id == DEFAULT_POOL and self.captures_underway
+                and not self.config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS)):
+            mempool_id = self.captures_underway[-1]  # MemPoolContext::getActiveMemPool(): the innermost region
         if mempool_id == DEFAULT_POOL and not self.captures_underway:
             self.release_blocks(self.large_blocks)
             self.release_blocks(self.small_blocks)

@@ -27,7 +27,10 @@ import sys
 from array import array
 from pathlib import Path
 
-from .allocator import AllocatorConfig, AllocatorConfigError, DEFAULT_POOL, kRoundUpPowerOfTwoIntervals
+from .allocator import (
+    DEFAULT_POOL, EMPTY_CACHE_ALL_FREEABLE_POOLS, NESTED_POOLS_INNERMOST, USE_ON_OOM_BEFORE_RELEASE, AllocatorConfig,
+    AllocatorConfigError, allowed_memory_maximum, kRoundUpPowerOfTwoIntervals,
+)
 from .cbuild import build_library
 from .columns import ACTIONS, CODE, OTHER, TraceColumns, columns_from_trace
 from .events import OOM, SegmentState
@@ -79,6 +82,7 @@ def load_library() -> ctypes.CDLL:
         lib.rc_result_copy.argtypes, lib.rc_result_copy.restype = [p, p], None
         lib.rc_free.argtypes, lib.rc_free.restype = [p], None
         lib.rc_infer_capacity.argtypes, lib.rc_infer_capacity.restype = [i64, p, p, p, i64, p], i32
+        lib.rc_set_pools.argtypes, lib.rc_set_pools.restype = [p, i64, p, i64, p], None
         _lib = lib
     return _lib
 
@@ -198,14 +202,22 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     ``ValueError`` for a double free. ``capacity`` is bytes (``None``: unlimited).
     """
     lib = load_library()
+    allowed = allowed_memory_maximum(config, capacity)  # per_process_memory_fraction, as the Python model
     cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
-                      capacity or 0, int(capacity is not None)])
+                      allowed or 0, int(allowed is not None)])
     cfg.extend(config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals])
     cfg.append(int(config.expandable_segments))
     cfg.append(int(mode == ANCHORED))
+    cfg.extend((capacity or 0, int(capacity is not None), int(config.since(NESTED_POOLS_INNERMOST)),
+                int(config.since(USE_ON_OOM_BEFORE_RELEASE)), int(not config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS))))
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
     h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))
     try:
+        if config.use_on_oom_pools or config.no_split_pools:
+            oom = array("q", [x for pid in config.use_on_oom_pools for x in pid])
+            no_split = array("q", [x for pid in config.no_split_pools for x in pid])
+            lib.rc_set_pools(h, len(oom) // 2, _buf(oom) if oom else None, len(no_split) // 2,
+                             _buf(no_split) if no_split else None)
         for seg in cols.initial_segments:
             try:
                 pieces = _segment_pieces(seg)

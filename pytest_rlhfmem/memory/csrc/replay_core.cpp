@@ -18,11 +18,14 @@
 // POOL_ENTER / POOL_EXIT / POOL_RELEASE as python_engine.py drives them, release_cached_blocks(mempool_id)),
 // FLUSH events and recorded empty_cache() batches (release_cached_blocks), anchored mode (recorded
 // addresses, recorded cudaMalloc failures), segments that existed before the trace (in the default pools
-// or a private one), phase windows and the MetricsCollector figures. Not covered (the Python model replays
-// them): the per-event series and the replayed-events output.
+// or a private one), phase windows and the MetricsCollector figures; and the PyTorch 2.8-2.10 behaviours
+// allocator.py selects by version (per_process_memory_fraction, computed in replay_engine.py as the capacity;
+// try_mempool_fallback for use_on_oom pools, last in 2.8-2.9 and first from 2.10, PR 169699; no_split pools;
+// the innermost use_mem_pool region from 2.10; empty_cache inside a region scoped to its pool in 2.6-2.7).
+// Not covered (the Python model replays them): the per-event series and the replayed-events output.
 //
-// Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_import_segment, rc_run,
-// rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
+// Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_set_pools,
+// rc_import_segment, rc_run, rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
 // documents.
 
 #include <cstdint>
@@ -371,6 +374,16 @@ struct Model {
   bool expandable_segments = false;
   i64 capacity = 0;
   bool has_capacity = false;  // false = unlimited (None)
+  // allocator.py's device_total: the device's bytes before per_process_memory_fraction (capacity is after it);
+  // an expandable segment reserves 1 1/8 of it.
+  i64 device_total = 0;
+  bool has_device_total = false;
+  // Version-selected behaviours (allocator.py: AllocatorConfig.since): get_pool takes the innermost region
+  // (2.10, PR 168382); use_on_oom pools before release_available_cached_blocks (2.10, PR 169699); empty_cache
+  // inside a use_mem_pool region scoped to that region's pool (2.6-2.7, PR 133602, until PR 154042).
+  bool innermost_pool = true, use_on_oom_before_release = true, empty_cache_scoped_to_region = false;
+  std::vector<MempoolId> use_on_oom_pools;  // AllocatorConfig.use_on_oom_pools, in the order tried
+  std::vector<MempoolId> no_split_pools;    // AllocatorConfig.no_split_pools (MemPool(no_split=True), 2.10)
 
   FreeNode* free_nodes = nullptr;  // spare set nodes (NodeAllocator); released with the pools below
   BlockPool small_blocks{true, &free_nodes}, large_blocks{false, &free_nodes};
@@ -472,7 +485,7 @@ struct Model {
   // pool allocations go to was forgotten (a pool revived after release_pool, then emptied).
   BlockPool* get_pool(i64 size) {
     if (!captures_underway.empty()) {
-      auto it = graph_pools.find(captures_underway[0]);
+      auto it = graph_pools.find(innermost_pool ? captures_underway.back() : captures_underway[0]);
       if (it == graph_pools.end()) {
         pool_gone = true;
         return nullptr;
@@ -540,6 +553,7 @@ struct Model {
   // -- the allocation path ----------------------------------------------------------------------
 
   // malloc: returns the allocated block, or nullptr for an OOM (allocator.py raises OutOfMemoryError).
+  // use_on_oom pools: last in 2.8-2.9 (PR 151487), right after the first cudaMalloc fails from 2.10 (PR 169699).
   Block* malloc(i64 orig_size, i64 stream) {
     i64 size = round_size(orig_size);
     BlockPool* pool_p = get_pool(size);
@@ -547,19 +561,46 @@ struct Model {
     BlockPool& pool = *pool_p;
     i64 alloc_size = get_allocation_size(size);
     Block* block = get_free_block(pool, size, stream);
+    int expandable_rule = -1;  // should_split's rule: -1 the config's; 0 for a use_on_oom block from 2.10
     if (!block) {
       if (gc_enabled()) garbage_collect_cached_blocks();
+      bool fallback = !use_on_oom_pools.empty() && !pool.owner_private_pool;
+      bool early = fallback && use_on_oom_before_release;
       block = alloc_block(pool, size, alloc_size, stream, false);
+      if (!block && early) {
+        block = try_mempool_fallback(size, stream);
+        if (block) expandable_rule = 0;  // mempool_params: expandable segments off
+      }
       if (!block && release_available_cached_blocks(pool, size, stream))
         block = alloc_block(pool, size, alloc_size, stream, false);
       if (!block && captures_underway.empty() && release_cached_blocks())  // no release-and-retry in a pool
         block = alloc_block(pool, size, alloc_size, stream, true);
+      if (!block && fallback && !early) block = try_mempool_fallback(size, stream);
       if (!block) {
         st.num_ooms += 1;
         return nullptr;
       }
     }
-    return alloc_found_block(block, size, orig_size, should_split(block, size));
+    return alloc_found_block(block, size, orig_size, should_split(block, size, expandable_rule));
+  }
+
+  bool is_freeable(MempoolId pool_id) const {
+    return std::find_if(graph_pools_freeable.begin(), graph_pools_freeable.end(),
+                        [&](const std::pair<MempoolId, PrivatePool*>& e) { return e.first == pool_id; }) !=
+           graph_pools_freeable.end();
+  }
+
+  // try_mempool_fallback: a cached block from the first use_on_oom pool that has one (get_free_block only),
+  // skipping pools not created yet or already destroyed; nullptr if none.
+  Block* try_mempool_fallback(i64 size, i64 stream) {
+    for (const MempoolId& pool_id : use_on_oom_pools) {
+      auto it = graph_pools.find(pool_id);
+      if (it == graph_pools.end() || is_freeable(pool_id)) continue;
+      PrivatePool* pp = it->second;
+      Block* block = get_free_block(size <= kSmallSize ? pp->small_blocks : pp->large_blocks, size, stream);
+      if (block) return block;
+    }
+    return nullptr;
   }
 
   // _find_free_block: the block get_free_block would take, or end().
@@ -604,10 +645,15 @@ struct Model {
     return find_free_block(*pool, size, stream) != pool->blocks.end();
   }
 
-  // should_split
-  bool should_split(const Block* block, i64 size) const {
+  // should_split: never in a no_split pool; expandable_rule -1 = the config's expandable_segments, 0/1 given.
+  bool should_split(const Block* block, i64 size, int expandable_rule = -1) const {
+    if (block->pool->owner_private_pool && !no_split_pools.empty() &&
+        std::find(no_split_pools.begin(), no_split_pools.end(), block->pool->owner_private_pool->id) !=
+            no_split_pools.end())
+      return false;
     i64 remaining = block->size - size;
-    if (block->pool->is_small || expandable_segments) return remaining >= kMinBlockSize;
+    bool expandable = expandable_rule < 0 ? expandable_segments : expandable_rule != 0;
+    if (block->pool->is_small || expandable) return remaining >= kMinBlockSize;
     return size < max_split_size && remaining > kSmallSize;
   }
 
@@ -727,7 +773,7 @@ struct Model {
       if (has_available_address_space(c)) return c;
     }
     i64 segment_size = pool.is_small ? kSmallBuffer : kLargeBuffer;
-    i64 total = has_capacity ? capacity : DEFAULT_DEVICE_MEMORY;
+    i64 total = has_device_total ? device_total : DEFAULT_DEVICE_MEMORY;
     i64 address_space_size = total + floordiv(total, 8);
     ExpandableSegment probe(0, segment_size, address_space_size, stream);
     i64 ptr = new_address(-1, probe.size());
@@ -904,6 +950,9 @@ struct Model {
   // holds (use_count 0), in the order it became so: its small pool, then its large pool; a pool with nothing
   // left is forgotten. A non-default id limits the second part to that pool.
   bool release_cached_blocks(MempoolId mempool_id = DEFAULT_POOL) {
+    // 2.6-2.7: inside a use_mem_pool region the id was that region's pool (MemPoolContext)
+    if (mempool_id == DEFAULT_POOL && !captures_underway.empty() && empty_cache_scoped_to_region)
+      mempool_id = captures_underway.back();
     if (mempool_id == DEFAULT_POOL && captures_underway.empty()) {
       release_blocks(large_blocks);
       release_blocks(small_blocks);
@@ -1286,9 +1335,10 @@ struct Handle {
 
 extern "C" {
 
-// config[22]: max_split_size, max_non_split_rounding_size, capacity, has_capacity (0 = unlimited),
-// roundup_power2_divisions[16], expandable_segments (0/1), anchored (0/1: replay.py's mode);
-// gc_threshold separately (a double).
+// config[27]: max_split_size, max_non_split_rounding_size, capacity (after per_process_memory_fraction),
+// has_capacity (0 = unlimited), roundup_power2_divisions[16], expandable_segments (0/1), anchored (0/1:
+// replay.py's mode), device_total, has_device_total, innermost_pool, use_on_oom_before_release,
+// empty_cache_scoped_to_region (0/1 each); gc_threshold separately (a double).
 void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   Handle* h = new Handle();
   Model& m = h->model;
@@ -1302,8 +1352,22 @@ void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   }
   m.expandable_segments = config[4 + kRoundUpPowerOfTwoIntervals] != 0;
   m.anchored = config[5 + kRoundUpPowerOfTwoIntervals] != 0;
+  m.device_total = config[6 + kRoundUpPowerOfTwoIntervals];
+  m.has_device_total = config[7 + kRoundUpPowerOfTwoIntervals] != 0;
+  m.innermost_pool = config[8 + kRoundUpPowerOfTwoIntervals] != 0;
+  m.use_on_oom_before_release = config[9 + kRoundUpPowerOfTwoIntervals] != 0;
+  m.empty_cache_scoped_to_region = config[10 + kRoundUpPowerOfTwoIntervals] != 0;
   m.garbage_collection_threshold = garbage_collection_threshold;
   return h;
+}
+
+// The MemPool options a snapshot does not record (AllocatorConfig.use_on_oom_pools / no_split_pools): n_oom and
+// n_no_split pool ids, each as two int64 (MempoolId_t's pair). Call before rc_run.
+void rc_set_pools(void* h, int64_t n_oom, const int64_t* oom_ids, int64_t n_no_split, const int64_t* no_split_ids) {
+  Model& m = static_cast<Handle*>(h)->model;
+  for (int64_t i = 0; i < n_oom; ++i) m.use_on_oom_pools.push_back(MempoolId{oom_ids[2 * i], oom_ids[2 * i + 1]});
+  for (int64_t i = 0; i < n_no_split; ++i)
+    m.no_split_pools.push_back(MempoolId{no_split_ids[2 * i], no_split_ids[2 * i + 1]});
 }
 
 // pieces[n][3]: (address, size, requested size or -1 for a free gap), by address, covering the segment.

@@ -235,3 +235,26 @@ def test_a_length_past_any_size_is_one_line(tmp_path):
     p.write_bytes(b"\x80\x05\x96" + b"\xff" * 8 + b".")
     assert old_path(p) == new_path(p) == ("error", f"{p}: truncated or corrupt pickle (OverflowError: BYTEARRAY8 "
                                                    "exceeds system's maximum size of 9223372036854775807 bytes)")
+
+
+def test_load_columns_for_replay_reads_pickles_compiled(monkeypatch):
+    """replay_engine.load_columns_for_replay (the benchmark's and the API's entry) reads a pickle with the
+    compiled reader now: the same columns and settings as Python's Unpickler path, on every real snapshot."""
+    from pytest_rlhfmem.memory import trace as trace_mod
+    from pytest_rlhfmem.memory.replay_engine import load_columns_for_replay
+
+    readers = []
+    real = trace_mod.load_snapshot_columnar
+
+    def spy(path):
+        snap, reader = real(path)
+        readers.append(reader)
+        return snap, reader
+
+    monkeypatch.setattr(trace_mod, "load_snapshot_columnar", spy)
+    for name in ALL_SNAPSHOTS:
+        path = shared_snapshot(name)
+        cols, config = load_columns_for_replay(str(path))
+        assert old_path(str(path)) == ("ok", cols)
+        assert config == _config(load_snapshot(path))
+    assert readers == ["compiled"] * len(ALL_SNAPSHOTS)

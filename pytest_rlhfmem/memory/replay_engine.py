@@ -37,7 +37,7 @@ from .events import OOM, SegmentState
 from .metrics import WindowMetrics
 from .recorded import infer_capacity, recorded_summary_columns
 from .replay_types import ANCHORED, COMPILED, ENGINES, PYTHON, ReplayError, ReplayResult
-from .trace import SnapshotError, columns_from_snapshot, load_snapshot
+from .trace import SnapshotError, columns_from_snapshot, snapshot_columns_for_replay
 from .trace_io import is_trace_file, load_columns
 
 __all__ = [  # this module's own names, and the column and summary names its callers import from here
@@ -321,21 +321,21 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
 # ---------------------------------------------------------------------------------------------------
 
 
-def load_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, AllocatorConfig]:
+def load_columns_for_replay(path: str, device: int | None = None, torch_version: str | tuple[int, int] | None = None
+                            ) -> tuple[TraceColumns, AllocatorConfig]:
     """``rlhfmem replay``'s input as columns, with the recorded allocator settings: an ``.rlhftrace`` file
-    (``trace_io.load_columns``) or a snapshot pickle (:func:`~.trace.columns_from_snapshot`; blocks that existed
-    before the trace are sized with the recorded settings, as they were allocated). Raises
-    :class:`~.trace.SnapshotError`, ``trace_io.TraceFileError`` or ``AllocatorConfigError``."""
+    (``trace_io.load_columns``) or a snapshot pickle (:func:`~.trace.snapshot_columns_for_replay`: the compiled
+    snapshot reader when it builds here, else Python's global-refusing Unpickler, with the same results and
+    one-line errors; blocks that existed before the trace are sized with the recorded settings, as they were
+    allocated). ``torch_version`` (``"2.10"``; ``None``: the newest modelled) selects the version's behaviours
+    (:class:`~.allocator.AllocatorConfig`). Raises :class:`~.trace.SnapshotError`, ``trace_io.TraceFileError``
+    or ``AllocatorConfigError``."""
     if is_trace_file(path):
         cols = load_columns(path)
         cols.source = cols.source or path
         try:
-            return cols, AllocatorConfig.from_snapshot_settings(cols.allocator_settings)
+            return cols, AllocatorConfig.from_snapshot_settings(cols.allocator_settings, torch_version)
         except (AllocatorConfigError, AttributeError, TypeError) as exc:
             raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
-    snap = load_snapshot(path)
-    try:
-        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
-    except (AllocatorConfigError, AttributeError, TypeError) as exc:
-        raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
-    return columns_from_snapshot(snap, device, recorded_config, path), recorded_config
+    cols, recorded_config, _reader = snapshot_columns_for_replay(path, device, torch_version)
+    return cols, recorded_config

@@ -149,13 +149,16 @@ def load_snapshot_columnar(path: str | Path) -> tuple[dict, str]:
     return snap, "compiled"
 
 
-def snapshot_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, AllocatorConfig, str]:
-    """``rlhfmem replay FILE.pickle``'s input: ``replay_engine.load_columns_for_replay``'s pickle branch read
+def snapshot_columns_for_replay(path: str, device: int | None = None,
+                                torch_version: str | tuple[int, int] | None = None
+                                ) -> tuple[TraceColumns, AllocatorConfig, str]:
+    """``rlhfmem replay FILE.pickle``'s input (``replay_engine.load_columns_for_replay``'s pickle branch) read
     through :func:`load_snapshot_columnar`. Returns ``(columns, recorded allocator settings, reader)``
-    (``reader`` as :func:`load_snapshot_columnar` says it). Raises :class:`SnapshotError`."""
+    (``reader`` as :func:`load_snapshot_columnar` says it); ``torch_version`` selects the version's behaviours
+    (:meth:`~.allocator.AllocatorConfig.from_snapshot_settings`). Raises :class:`SnapshotError`."""
     snap, reader = load_snapshot_columnar(path)
     try:
-        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"), torch_version)
     except (AllocatorConfigError, AttributeError, TypeError) as exc:
         raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
     return columns_from_snapshot(snap, device, recorded_config, path), recorded_config, reader

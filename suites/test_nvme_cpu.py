@@ -5,8 +5,10 @@ through DeepSpeed's async I/O op), beside ZeRO-3 with CPU offload, CPU, 2 ranks,
 MemAscend's premise, direction by direction: the device holds no more allocated bytes than under CPU offload
 (peak reserved is recorded, not asserted: on OPT-125m it is higher, by fragmentation), and the problem moves to
 the host: DeepSpeed's swap traffic to storage (``storage_write_bytes`` /
-``storage_read_bytes``, /proc/self/io, measured) and its pinned staging buffers (declared host-resident,
-``host_pinned_peak``, measured). Device figures are simulated (CPU trace through the allocator model).
+``storage_read_bytes``, /proc/self/io, measured) and its page-locked staging buffers (``host_staging_bytes``,
+counted from the swappers; how many were idle at the host peak; glibc's heap there, ``host_heap_*``).
+Budgets gate the traffic and the staging bytes. Device figures are simulated (CPU trace through the allocator
+model).
 """
 
 import pytest
@@ -27,4 +29,10 @@ def test_zero_infinity_within_budget_and_moves_memory_to_storage(scenario, itera
     assert m["storage_write_bytes"] > 0 and m["storage_read_bytes"] > 0
     assert c["storage_write_bytes"] < m["storage_write_bytes"]
     assert nvme.phases["init"]["storage_write_bytes"] > 0
+    # the staging buffers DeepSpeed's swappers hold on the host (none under CPU offload), some idle at the peak
+    assert m["host_staging_bytes"] > 0 and c["host_staging_bytes"] == 0
+    assert 0 <= m["host_staging_idle_buffers_at_peak"] <= m["host_staging_buffers"]
+    assert m["host_staging_idle_bytes_at_peak"] <= m["host_staging_bytes"]
+    # glibc's heap at the anonymous peak (mallinfo2): in use, and freed but kept (fragmentation)
+    assert m["host_heap_used_bytes_at_peak"] > 0 and m["host_heap_free_bytes_at_peak"] >= 0
     memory_budget.check(nvme)

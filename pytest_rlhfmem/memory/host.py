@@ -42,20 +42,42 @@ Figures, all in bytes, per rank:
   estimate takes, at each phase end, the RSS at that moment minus the device trace's live tensor bytes
   (``requested_at_phase_end``: exact bytes, no allocator model), and keeps the largest: the host
   footprint a GPU machine would have (glibc keeps freed pages, so it leans high).
+- ``host_staging_bytes`` / ``host_staging_buffers``: bytes and number of the swap staging buffers the run's
+  registered probes report (:func:`register_staging_probe`; the DeepSpeed-Chat recipe registers one for
+  ZeRO-Infinity's NVMe swappers), the most held in the window. ``host_staging_idle_bytes_at_peak`` /
+  ``host_staging_idle_buffers_at_peak``: how many of them held no tensor at the window's anonymous-memory
+  peak (read by the sampler thread whenever that peak rises, and at the window's start). 0 without probes.
+- ``host_heap_*_bytes_at_peak``: glibc's allocator at the window's anonymous-memory peak (``mallinfo2()``,
+  glibc >= 2.33, summed over its arenas): ``arena`` (bytes obtained with ``brk``/heap ``mmap``),
+  ``used`` (``uordblks``, in allocated chunks), ``free`` (``fordblks``: freed chunks the allocator keeps,
+  its fragmentation; the releasable top is ``keepcost``, in ``host_heap_top_bytes_at_peak``) and ``mmapped``
+  (``hblkhd``: chunks above the mmap threshold, returned to the system on free). ``mallinfo2`` walks every
+  free list (70 ms with 200,000 free chunks here), so the sampler reads it at a new peak only when the peak has
+  risen 8 MiB above its last reading (the figure is from within 8 MiB of the peak), and at the window's start.
+  Absent (``None``) where glibc has no ``mallinfo2``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 HOST_METRIC_NAMES = ("host_peak_rss", "host_rss_growth", "host_anon_peak", "host_anon_growth", "host_pinned_peak")
 # Bytes this process read from / wrote to storage (/proc/self/io read_bytes / write_bytes: block-device I/O, e.g.
 # ZeRO-Infinity's NVMe swapping through O_DIRECT async I/O); per window, summed over a name's windows.
 HOST_IO_NAMES = ("storage_read_bytes", "storage_write_bytes")
+# Swap staging buffers and glibc's heap, per window (bytes; *_buffers are counts); "at peak": at the window's
+# anonymous-memory peak. See the module docstring.
+HOST_STAGING_NAMES = ("host_staging_bytes", "host_staging_buffers", "host_staging_idle_bytes_at_peak",
+                      "host_staging_idle_buffers_at_peak")
+HOST_HEAP_NAMES = ("host_heap_arena_bytes_at_peak", "host_heap_used_bytes_at_peak", "host_heap_free_bytes_at_peak",
+                   "host_heap_top_bytes_at_peak", "host_heap_mmapped_bytes_at_peak")
+HOST_SWAP_NAMES = HOST_STAGING_NAMES + HOST_HEAP_NAMES
+HEAP_MALLINFO2 = "glibc mallinfo2() at the anonymous-memory peak (within 8 MiB), summed over arenas"
 RSS_HWM = "VmHWM, reset per phase through /proc/self/clear_refs"
 RSS_SAMPLED = "sampled from /proc/self/statm every 1 ms"
 ANON_SAMPLED = "resident minus shared pages of /proc/self/statm, sampled every 1 ms and at phase boundaries"
@@ -97,6 +119,61 @@ def storage_io() -> tuple[int, int]:
         return 0, 0
 
 
+# A staging probe returns (held bytes, held buffers, idle bytes, idle buffers) of the swap staging buffers now.
+StagingProbe = Callable[[], tuple[int, int, int, int]]
+_STAGING_PROBES: list[StagingProbe] = []
+
+
+def register_staging_probe(probe: StagingProbe) -> None:
+    """Count ``probe``'s staging buffers in every host meter of this process (once per probe)."""
+    if probe not in _STAGING_PROBES:
+        _STAGING_PROBES.append(probe)
+
+
+def staging_now() -> tuple[int, int, int, int]:
+    """(held bytes, held buffers, idle bytes, idle buffers) over the registered probes; a probe that raises
+    (its objects half-built or torn down) counts nothing this time."""
+    total = [0, 0, 0, 0]
+    for probe in list(_STAGING_PROBES):
+        try:
+            for i, v in enumerate(probe()):
+                total[i] += int(v)
+        except Exception:  # noqa: BLE001 - a reading must never fail the run
+            continue
+    return total[0], total[1], total[2], total[3]
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _load_mallinfo2():  # noqa: ANN202
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    fn.argtypes = []
+    return fn
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def heap_now() -> dict[str, int] | None:
+    """glibc's heap now (``mallinfo2``), under :data:`HOST_HEAP_NAMES`; ``None`` without glibc >= 2.33."""
+    if _MALLINFO2 is None:
+        return None
+    m = _MALLINFO2()
+    return {"host_heap_arena_bytes_at_peak": m.arena, "host_heap_used_bytes_at_peak": m.uordblks,
+            "host_heap_free_bytes_at_peak": m.fordblks, "host_heap_top_bytes_at_peak": m.keepcost,
+            "host_heap_mmapped_bytes_at_peak": m.hblkhd}
+
+
+HEAP_STEP = 8 << 20  # read mallinfo2 again at a new peak once it is this far above the last reading
+
+
 def current_rss() -> int:
     """Resident set size now (bytes); 0 where ``/proc`` is missing."""
     return _statm()[0]
@@ -129,19 +206,36 @@ class _Sampler(threading.Thread):
     def __init__(self, interval_s: float = 0.001) -> None:
         super().__init__(name="rlhfmem-rss-sampler", daemon=True)
         self.interval_s = interval_s
+        self._lock = threading.Lock()
         self.peak, self.anon_peak = _statm()
+        self.staging_max = (0, 0)  # (bytes, buffers): the most held in the window
+        self.at_peak: dict[str, int | None] = {}  # staging idle and heap figures at the anonymous-memory peak
+        self._heap_anon = 0  # anonymous RSS when mallinfo2 was last read
+        self._note_peak(self.anon_peak, heap=True)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval_s):
             self._sample()
 
+    def _note_peak(self, anon: int, heap: bool) -> None:
+        """The staging buffers (and, when ``heap``, glibc's heap) now, as the figures at the peak."""
+        held, n_held, idle, n_idle = staging_now()
+        if (held, n_held) > self.staging_max:
+            self.staging_max = (held, n_held)
+        self.at_peak.update(host_staging_idle_bytes_at_peak=idle, host_staging_idle_buffers_at_peak=n_idle)
+        if heap:
+            self.at_peak.update(heap_now() or dict.fromkeys(HOST_HEAP_NAMES))
+            self._heap_anon = anon
+
     def _sample(self) -> None:
-        rss, anon = _statm()
-        if rss > self.peak:
-            self.peak = rss
-        if anon > self.anon_peak:
-            self.anon_peak = anon
+        with self._lock:
+            rss, anon = _statm()
+            if rss > self.peak:
+                self.peak = rss
+            if anon > self.anon_peak:
+                self.anon_peak = anon
+                self._note_peak(anon, heap=anon >= self._heap_anon + HEAP_STEP)
 
     def read(self) -> int:
         self._sample()
@@ -152,7 +246,18 @@ class _Sampler(threading.Thread):
         return self.anon_peak
 
     def reset(self) -> None:
-        self.peak, self.anon_peak = _statm()
+        with self._lock:
+            self.peak, self.anon_peak = _statm()
+            self.staging_max = (0, 0)
+            self._note_peak(self.anon_peak, heap=True)
+
+    def window(self) -> tuple[tuple[int, int], dict[str, int | None]]:
+        """(staging held max, figures at the anonymous-memory peak) of the window so far."""
+        with self._lock:
+            held, n_held, _idle, _n_idle = staging_now()
+            if (held, n_held) > self.staging_max:
+                self.staging_max = (held, n_held)
+            return self.staging_max, dict(self.at_peak)
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -188,6 +293,8 @@ class HostMemory:
     _hwm: bool = False  # VmHWM read and reset per window (else the sampler's RSS peak)
     _io_last: tuple[int, int] = (0, 0)
     io_total: tuple[int, int] = (0, 0)  # storage (read, write) bytes since start
+    heap_method: str = HEAP_MALLINFO2
+    swap_totals: dict[str, int | None] = field(default_factory=dict)  # HOST_SWAP_NAMES over the iteration
 
     def start(self) -> None:
         """Begin measuring (before the first model is built)."""
@@ -196,6 +303,7 @@ class HostMemory:
         self.pinned_method = PINNED_CUDA if self._cuda_stats else PINNED_CPU
         self._hwm = _status_kib("VmHWM") is not None and _reset_hwm()
         self.rss_method = RSS_HWM if self._hwm else RSS_SAMPLED
+        self.heap_method = HEAP_MALLINFO2 if _MALLINFO2 is not None else "unavailable (no glibc mallinfo2)"
         self._sampler = _Sampler()  # anonymous RSS always (no kernel high-water mark); RSS where VmHWM is not
         self._sampler.start()
         self._reset_pinned_peak()
@@ -222,6 +330,12 @@ class HostMemory:
         then reset them for the next window."""
         rss, pinned = self._read_rss_peak(), self._read_pinned_peak()
         anon = self._sampler.read_anon() if self._sampler is not None else current_anon()
+        swap = self._swap_window()
+        if anon >= self.anon_peak:  # this window holds the iteration's anonymous peak: its figures at the peak
+            self.swap_totals.update({k: swap[k] for k in swap if k not in ("host_staging_bytes",
+                                                                             "host_staging_buffers")})
+        for k in ("host_staging_bytes", "host_staging_buffers"):
+            self.swap_totals[k] = max(self.swap_totals.get(k) or 0, swap[k])
         self.peak_rss = max(self.peak_rss, rss)
         self.anon_peak = max(self.anon_peak, anon)
         self.pinned_peak = max(self.pinned_peak, pinned)
@@ -241,8 +355,27 @@ class HostMemory:
                                    "host_rss_at_end": current_rss(),
                                    "storage_read_bytes": prev.get("storage_read_bytes", 0) + dr,
                                    "storage_write_bytes": prev.get("storage_write_bytes", 0) + dw}
+            at_peak = anon_peak == anon or not prev  # this reading's peak is the window's (a resumed name)
+            for k, v in swap.items():
+                if k in ("host_staging_bytes", "host_staging_buffers"):
+                    v = max(v, prev.get(k) or 0)
+                elif not at_peak:
+                    v = prev.get(k)
+                self.phases[window][k] = v
         self._reset_rss_peak()
         self._reset_pinned_peak()
+
+    def _swap_window(self) -> dict[str, int | None]:
+        """The window's staging buffers (most held; idle at its anonymous peak) and heap at that peak."""
+        if self._sampler is None:
+            held, n_held, idle, n_idle = staging_now()
+            at_peak = {"host_staging_idle_bytes_at_peak": idle, "host_staging_idle_buffers_at_peak": n_idle,
+                       **(heap_now() or dict.fromkeys(HOST_HEAP_NAMES))}
+            staging = (held, n_held)
+        else:
+            staging, at_peak = self._sampler.window()
+        return {"host_staging_bytes": staging[0], "host_staging_buffers": staging[1],
+                **{k: at_peak.get(k) for k in HOST_SWAP_NAMES[2:]}}
 
     def note_offloaded(self, tensors: Iterable) -> None:
         """CPU: remember these host-resident buffers (weakly) so their live bytes can be read."""
@@ -300,7 +433,9 @@ class HostMemory:
                 "host_anon_growth": max(0, self.anon_peak - self.anon_at_start), "anon_method": self.anon_method,
                 "host_pinned_peak": self.pinned_peak, "rss_method": self.rss_method,
                 "pinned_method": self.pinned_method, "measured": True, "phases": dict(self.phases),
-                "storage_read_bytes": self.io_total[0], "storage_write_bytes": self.io_total[1]}
+                "storage_read_bytes": self.io_total[0], "storage_write_bytes": self.io_total[1],
+                "heap_method": self.heap_method,
+                **{k: self.swap_totals.get(k, 0 if k in HOST_STAGING_NAMES else None) for k in HOST_SWAP_NAMES}}
 
 
 def format_rss(m: dict) -> str:
@@ -320,12 +455,12 @@ def attach_host(result: dict, host: HostMemory) -> dict:
     the launcher takes the maximum over ranks. Returns ``result``."""
     d = host.to_dict()
     result["host"] = d
-    result["total"].update({k: d[k] for k in HOST_METRIC_NAMES + HOST_IO_NAMES})
+    result["total"].update({k: d[k] for k in HOST_METRIC_NAMES + HOST_IO_NAMES + HOST_SWAP_NAMES})
     live = result.get("requested_at_phase_end") or {}
     outside = []
     for p in result["phases"]:
         h = d["phases"].get(p["phase"], {})
-        p.update({k: h.get(k, 0) for k in HOST_METRIC_NAMES + HOST_IO_NAMES})
+        p.update({k: h.get(k, 0) for k in HOST_METRIC_NAMES + HOST_IO_NAMES + HOST_SWAP_NAMES})
         if result.get("simulated") and p["phase"] in live and h.get("host_rss_at_end"):
             p["host_rss_outside_device"] = h["host_rss_at_end"] - live[p["phase"]]
             outside.append(p["host_rss_outside_device"])

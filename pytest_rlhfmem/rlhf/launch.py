@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..hostcpu import fp16_answer
-from ..memory.host import HOST_IO_NAMES, HOST_METRIC_NAMES
+from ..memory.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
@@ -252,7 +252,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)
-    names = METRIC_NAMES + HOST_METRIC_NAMES + HOST_IO_NAMES + ("host_rss_outside_device",)
+    names = METRIC_NAMES + HOST_METRIC_NAMES + HOST_IO_NAMES + HOST_SWAP_NAMES + ("host_rss_outside_device",)
     metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in names} if ranks else {}
     if not any("host_rss_outside_device" in r["total"] for r in ranks):
         metrics.pop("host_rss_outside_device", None)
@@ -277,7 +277,8 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "capture": first.get("capture"),
         "capture_description": first.get("capture_description", {}),
         "simulated": first.get("simulated", device == "cpu"),
-        "host": {k: first.get("host", {}).get(k) for k in ("rss_method", "anon_method", "pinned_method", "measured")},
+        "host": {k: first.get("host", {}).get(k) for k in ("rss_method", "anon_method", "pinned_method", "heap_method",
+                                                          "measured")},
         "host_cpu": first.get("host_cpu"),  # what of the host could move a figure (hostcpu.py)
         "world_size": scenario.world_size,
         "versions": first.get("versions", {}),

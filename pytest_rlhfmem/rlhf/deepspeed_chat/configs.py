@@ -70,6 +70,9 @@ def per_engine(cfg: dict, engine: str) -> dict:
         return cfg
     import copy
 
+    from .swap_buffers import track
+
+    track()  # the engine's swappers (built in zero.Init and initialize) count in the host meter's staging figures
     out = copy.deepcopy(cfg)
     path = os.path.join(nvme_dir(), engine)
     os.makedirs(path, exist_ok=True)

@@ -249,8 +249,15 @@ def test_both_engines_agree_on_the_limited_memory_scenario(version, conf):
     capacity = 176 * MiB if "fraction" in conf else 88 * MiB
     py = replay(_limited_memory_trace(), config, capacity=capacity, record_series=False)
     cc = replay(_limited_memory_trace(), config, capacity=capacity, record_series=False, engine=COMPILED)
-    assert py.total.ooms == 2 and cc.engine == COMPILED
+    assert cc.engine == COMPILED
     for f in ("total", "segment_allocs", "segment_free_batches", "final_reserved", "final_allocated", "flushes",
               "segment_maps", "segment_unmaps"):
         assert getattr(py, f) == getattr(cc, f), f
-    assert py.total.alloc_retries == {"2.8": 3, "2.9": 3, "2.10": 2}[version] or conf == "expandable_segments:True"
+    # 2.8-2.9: the 30 MiB request retries before its fallback; 2.10: it does not. With expandable segments 2.10
+    # searches the pool with expandable segments off (mempool_params), so the pool's expandable blocks do not
+    # serve it: a third OOM.
+    expected = {("2.8", ""): (2, 3), ("2.9", ""): (2, 3), ("2.10", ""): (2, 2)}
+    expected.update({(v, "expandable_segments:True"): (2, 3) for v in ("2.8", "2.9")})
+    expected[("2.10", "expandable_segments:True")] = (3, 3)
+    expected[("2.10", "per_process_memory_fraction:0.5")] = (2, 2)
+    assert (py.total.ooms, py.total.alloc_retries) == expected[(version, conf)]

@@ -442,9 +442,10 @@ def allowed_memory_maximum(config: AllocatorConfig, capacity: int | None) -> int
     """The bytes the allocator may reserve on a device of ``capacity`` bytes (``None``: unlimited) under
     ``config.per_process_memory_fraction`` (``DeviceCachingAllocator::setMemoryFraction``: below 1.0,
     ``int(fraction * total)``; 1.0 leaves the device's own limit). An unknown capacity counts as an 80 GiB
-    device (``DEFAULT_DEVICE_MEMORY``) when a fraction is set."""
+    device (``DEFAULT_DEVICE_MEMORY``) when a fraction is set; a negative one (inferred from an inconsistent
+    trace) is kept: nothing fits either way."""
     fraction = config.per_process_memory_fraction
-    if fraction >= 1.0:
+    if fraction >= 1.0 or (capacity is not None and capacity < 0):
         return capacity
     return int(fraction * (capacity if capacity is not None else DEFAULT_DEVICE_MEMORY))
 
@@ -809,16 +810,20 @@ class CachingAllocatorModel:
             if pp is None or pool_id in self.graph_pools_freeable:
                 continue
             mempool = pp.small_blocks if size <= kSmallSize else pp.large_blocks
-            block = self.get_free_block(mempool, size, stream)
+            # 2.10: mempool_params with is_expandable_segments_active false (expandable blocks are passed over)
+            block = self.get_free_block(mempool, size, stream, False if self.config.since(USE_ON_OOM_BEFORE_RELEASE)
+                                        else None)
             if block is not None:
                 return block
         return None
 
-    def get_free_block(self, pool: BlockPool, size: int, stream: int) -> Block | None:
-        """``get_free_block``: the single best-fit candidate, subject to the max_split_size rules."""
+    def get_free_block(self, pool: BlockPool, size: int, stream: int,
+                       expandable_segments: bool | None = None) -> Block | None:
+        """``get_free_block``: the single best-fit candidate, subject to the max_split_size rules.
+        ``expandable_segments``: ``AllocParams.is_expandable_segments_active`` (``None``: the config's)."""
         if self.config.garbage_collection_threshold > 0.0 and self.capacity is not None:
             pool.get_free_blocks_call_count += 1
-        i = self._find_free_block(pool, size, stream)
+        i = self._find_free_block(pool, size, stream, expandable_segments)
         if i < 0:
             return None
         blocks = pool.blocks
@@ -826,7 +831,8 @@ class CachingAllocatorModel:
         del blocks[i]
         return block
 
-    def _find_free_block(self, pool: BlockPool, size: int, stream: int) -> int:
+    def _find_free_block(self, pool: BlockPool, size: int, stream: int,
+                         expandable_segments: bool | None = None) -> int:
         """Position in ``pool.blocks`` of the block ``get_free_block`` would take, or -1."""
         blocks = pool.blocks
         n = len(blocks)
@@ -837,8 +843,10 @@ class CachingAllocatorModel:
         if k[0] != stream:
             return -1
         by_key = pool.by_key
+        if expandable_segments is None:
+            expandable_segments = self.config.expandable_segments
         if self.expandable_segments and by_key[k].expandable_segment is not None:
-            if self.config.expandable_segments:
+            if expandable_segments:
                 # A free block followed by unmapped space counts as the size it can expand to.
                 def expandable_size(b: Block) -> int:
                     nxt = b.next
@@ -848,7 +856,7 @@ class CachingAllocatorModel:
                 while (by_key[blocks[i]].expandable_segment is not None and j < n and blocks[j][0] == stream
                        and expandable_size(by_key[blocks[j]]) < expandable_size(by_key[blocks[i]])):
                     i, j = j, j + 1
-            else:  # expandable_segments turned off later: only ordinary blocks qualify
+            else:  # expandable_segments turned off later (or a 2.10 use_on_oom search): only ordinary blocks
                 i += 1
                 while i < n and by_key[blocks[i]].expandable_segment is not None and blocks[i][0] == stream:
                     i += 1

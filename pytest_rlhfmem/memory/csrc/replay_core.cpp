@@ -597,19 +597,23 @@ struct Model {
       auto it = graph_pools.find(pool_id);
       if (it == graph_pools.end() || is_freeable(pool_id)) continue;
       PrivatePool* pp = it->second;
-      Block* block = get_free_block(size <= kSmallSize ? pp->small_blocks : pp->large_blocks, size, stream);
+      // 2.10: mempool_params with is_expandable_segments_active false (expandable blocks are passed over)
+      Block* block = get_free_block(size <= kSmallSize ? pp->small_blocks : pp->large_blocks, size, stream,
+                                    use_on_oom_before_release ? 0 : -1);
       if (block) return block;
     }
     return nullptr;
   }
 
-  // _find_free_block: the block get_free_block would take, or end().
+  // _find_free_block: the block get_free_block would take, or end(). expandable_rule: -1 = the config's
+  // expandable_segments (AllocParams.is_expandable_segments_active), 0/1 given (0: a 2.10 use_on_oom search).
   using BlockSet = std::set<Block*, BlockComparatorSize, NodeAllocator<Block*>>;
-  BlockSet::iterator find_free_block(BlockPool& pool, i64 size, i64 stream) {
+  BlockSet::iterator find_free_block(BlockPool& pool, i64 size, i64 stream, int expandable_rule = -1) {
     Block key(stream, size, &pool, 0);
     auto it = pool.blocks.lower_bound(&key);
     if (it == pool.blocks.end() || (*it)->stream != stream) return pool.blocks.end();
-    if (n_expandable_segments && (*it)->expandable_segment && expandable_segments) {
+    bool active = expandable_rule < 0 ? expandable_segments : expandable_rule != 0;
+    if (n_expandable_segments && (*it)->expandable_segment && active) {
       // A free block followed by unmapped space counts as the size it can expand to.
       auto expandable_size = [](const Block* b) {
         return b->size + (b->next && !b->next->mapped ? b->next->size : 0);
@@ -620,7 +624,12 @@ struct Model {
         it = j;
         ++j;
       }
-    }  // (allocator.py's branch for expandable_segments turned off later: a replay's config is fixed)
+    } else if (n_expandable_segments && (*it)->expandable_segment) {  // not active: only ordinary blocks
+      do {
+        ++it;
+      } while (it != pool.blocks.end() && (*it)->expandable_segment && (*it)->stream == stream);
+      if (it == pool.blocks.end() || (*it)->stream != stream) return pool.blocks.end();
+    }
     i64 found = (*it)->size;
     if (size < max_split_size && found >= max_split_size) return pool.blocks.end();
     if (size >= max_split_size && found >= size + max_non_split_rounding_size) return pool.blocks.end();
@@ -628,9 +637,9 @@ struct Model {
   }
 
   // get_free_block
-  Block* get_free_block(BlockPool& pool, i64 size, i64 stream) {
+  Block* get_free_block(BlockPool& pool, i64 size, i64 stream, int expandable_rule = -1) {
     if (gc_enabled()) pool.get_free_blocks_call_count += 1;
-    auto it = find_free_block(pool, size, stream);
+    auto it = find_free_block(pool, size, stream, expandable_rule);
     if (it == pool.blocks.end()) return nullptr;
     Block* b = *it;
     pool.blocks.erase(it);

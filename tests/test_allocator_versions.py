@@ -80,6 +80,29 @@ def test_fraction_caps_reserved_memory_after_free_and_retry():
     m.check_invariants()
 
 
+def test_fraction_checks_the_cudamalloc_size_before_expandable_pages():
+    """alloc_block tests reserved + alloc_size against allowed_memory_maximum before it tries an expandable
+    segment: a 32 MiB request whose missing 14 MiB one more 20 MiB page would cover is refused under a 50 MiB
+    cap (20 + 32 > 50), though a 50 MiB device (cuMemCreate page by page) maps it."""
+    capped = CachingAllocatorModel(AllocatorConfig.parse("expandable_segments:True,per_process_memory_fraction:0.5"),
+                                   capacity=100 * MiB)
+    device = CachingAllocatorModel(AllocatorConfig.parse("expandable_segments:True"), capacity=50 * MiB)
+    for m in (capped, device):
+        m.malloc(2 * MiB)  # one 20 MiB page mapped, 18 MiB of it free
+    with pytest.raises(OutOfMemoryError):
+        capped.malloc(32 * MiB)
+    device.malloc(32 * MiB)
+    assert device.stats.reserved_bytes == 40 * MiB
+    if shutil.which("g++"):
+        trace = Trace(events=[Event(ALLOC, 1, 2 * MiB), Event(ALLOC, 2, 32 * MiB)])
+        for m in (capped, device):
+            py = replay(trace, m.config, capacity=100 * MiB if m is capped else 50 * MiB, record_series=False)
+            cc = replay(trace, m.config, capacity=100 * MiB if m is capped else 50 * MiB, record_series=False,
+                        engine=COMPILED)
+            assert (py.total, py.segment_maps) == (cc.total, cc.segment_maps)
+            assert py.total.ooms == (1 if m is capped else 0)
+
+
 def test_fraction_without_a_known_capacity_counts_an_80_gib_device():
     m = CachingAllocatorModel(AllocatorConfig.parse("per_process_memory_fraction:0.25"))
     assert m.capacity == 20 * 1024 * MiB and m.device_total is None

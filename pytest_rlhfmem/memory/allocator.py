@@ -664,6 +664,9 @@ class CachingAllocatorModel:
         self._power2_rounding = any(d > 1 for d in self.config.roundup_power2_divisions)
         self.device_total = capacity  # an expandable segment reserves 1 1/8 of it
         self.capacity = allowed_memory_maximum(self.config, capacity)
+        # setMemoryFraction's allowed_memory_maximum (None: no fraction below 1.0): alloc_block checks it
+        # against the cudaMalloc size before it tries an expandable segment's pages
+        self.allowed_memory_maximum = self.capacity if self.config.per_process_memory_fraction < 1.0 else None
         self.use_on_oom_pools = self.config.use_on_oom_pools
         self.no_split_pools = frozenset(self.config.no_split_pools)
         self._innermost_pool = self.config.since(NESTED_POOLS_INNERMOST)
@@ -940,12 +943,16 @@ class CachingAllocatorModel:
 
     def alloc_block(self, pool: BlockPool, size: int, alloc_size: int, stream: int, is_retry: bool) -> Block | None:
         """``alloc_block``: one cudaMalloc of ``alloc_size`` bytes (or, with expandable segments, map
-        pages for ``size`` bytes); ``None`` if the device refuses."""
+        pages for ``size`` bytes); ``None`` if the device refuses. Under a ``per_process_memory_fraction`` the
+        C++ first refuses when reserved + ``alloc_size`` passes ``allowed_memory_maximum``, expandable
+        segments included (whose pages alone might have fit)."""
         st = self.stats
         if is_retry:
             st.num_alloc_retries += 1
         if self.fail_next_cuda_malloc:
             self.fail_next_cuda_malloc = False  # anchored replay: the recorded run failed here
+            return None
+        if self.allowed_memory_maximum is not None and st.reserved_bytes + alloc_size > self.allowed_memory_maximum:
             return None
         if self.config.expandable_segments:
             block = self.try_allocate_expandable_block(stream, pool, size)

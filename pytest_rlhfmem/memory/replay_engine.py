@@ -209,7 +209,8 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     cfg.append(int(config.expandable_segments))
     cfg.append(int(mode == ANCHORED))
     cfg.extend((capacity or 0, int(capacity is not None), int(config.since(NESTED_POOLS_INNERMOST)),
-                int(config.since(USE_ON_OOM_BEFORE_RELEASE)), int(not config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS))))
+                int(config.since(USE_ON_OOM_BEFORE_RELEASE)), int(not config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS)),
+                int(config.per_process_memory_fraction < 1.0 and allowed is not None)))
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
     h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))
     try:

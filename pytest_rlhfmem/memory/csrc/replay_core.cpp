@@ -378,6 +378,7 @@ struct Model {
   // an expandable segment reserves 1 1/8 of it.
   i64 device_total = 0;
   bool has_device_total = false;
+  bool has_allowed_memory_maximum = false;  // a per_process_memory_fraction below 1.0: capacity is that cap
   // Version-selected behaviours (allocator.py: AllocatorConfig.since): get_pool takes the innermost region
   // (2.10, PR 168382); use_on_oom pools before release_available_cached_blocks (2.10, PR 169699); empty_cache
   // inside a use_mem_pool region scoped to that region's pool (2.6-2.7, PR 133602, until PR 154042).
@@ -745,6 +746,8 @@ struct Model {
       fail_next_cuda_malloc = false;  // anchored replay: the recorded run failed here
       return nullptr;
     }
+    // allowed_memory_maximum: checked against the cudaMalloc size, before an expandable segment's pages
+    if (has_allowed_memory_maximum && st.reserved_bytes + alloc_size > capacity) return nullptr;
     if (expandable_segments) {
       Block* block = try_allocate_expandable_block(stream, pool, size);
       if (block && pool.owner_private_pool) pool.owner_private_pool->cudaMalloc_count += 1;
@@ -1344,10 +1347,10 @@ struct Handle {
 
 extern "C" {
 
-// config[27]: max_split_size, max_non_split_rounding_size, capacity (after per_process_memory_fraction),
+// config[28]: max_split_size, max_non_split_rounding_size, capacity (after per_process_memory_fraction),
 // has_capacity (0 = unlimited), roundup_power2_divisions[16], expandable_segments (0/1), anchored (0/1:
 // replay.py's mode), device_total, has_device_total, innermost_pool, use_on_oom_before_release,
-// empty_cache_scoped_to_region (0/1 each); gc_threshold separately (a double).
+// empty_cache_scoped_to_region, has_allowed_memory_maximum (0/1 each); gc_threshold separately (a double).
 void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   Handle* h = new Handle();
   Model& m = h->model;
@@ -1366,6 +1369,7 @@ void* rc_new(const int64_t* config, double garbage_collection_threshold) {
   m.innermost_pool = config[8 + kRoundUpPowerOfTwoIntervals] != 0;
   m.use_on_oom_before_release = config[9 + kRoundUpPowerOfTwoIntervals] != 0;
   m.empty_cache_scoped_to_region = config[10 + kRoundUpPowerOfTwoIntervals] != 0;
+  m.has_allowed_memory_maximum = config[11 + kRoundUpPowerOfTwoIntervals] != 0;
   m.garbage_collection_threshold = garbage_collection_threshold;
   return h;
 }

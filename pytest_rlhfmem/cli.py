@@ -42,10 +42,13 @@ def _replay(args: argparse.Namespace) -> int:
         raise CliError(f"{args.snapshot}: cannot replay ({type(exc).__name__}: {exc})") from None
     rec = recorded_summary_columns(trace)
     agree = agreement(rec, result, trace.has_segment_events())
+    spread = _address_order_spread(args, trace, config) if args.address_orders else None
     if args.json:
         out = replay_json(args.snapshot, args.mode, config, trace, result, rec, agree)
         if reader is not None:
             out["snapshot_reader"] = reader
+        if spread is not None:
+            out["address_order_spread"] = spread
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -84,7 +87,21 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"agreement unavailable: {agree['reason']}")
     if args.mode == ANCHORED and args.alloc_conf is not None:
         print("note: --alloc-conf changes the decisions, so anchoring to recorded addresses mostly does not apply")
+    if spread is not None:
+        pr = spread["peak_reserved"]
+        print(f"peak reserved under {spread['orders']} random cudaMalloc address orders (seed {spread['seed']}): "
+              f"{format_size(pr['min'])} to {format_size(pr['max'])}; the model's order "
+              f"({format_size(spread['model_order']['peak_reserved'])}) in {spread['model_order_share']:.0%} of them")
     return 0
+
+
+def _address_order_spread(args: argparse.Namespace, trace, config) -> dict:  # noqa: ANN001
+    from .memory.address_order import address_order_spread
+
+    try:
+        return address_order_spread(trace.to_trace(), orders=args.address_orders, seed=0, config=config)
+    except ValueError as exc:
+        raise CliError(f"{args.snapshot}: --address-orders: {exc}") from None
 
 
 def _diff(args: argparse.Namespace) -> int:
@@ -147,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device-memory-gib", type=float, default=None,
                    help="device capacity (default: inferred from the trace's oom entries, else unlimited)")
     r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")
+    r.add_argument("--address-orders", type=int, default=0, metavar="N",
+                   help="also replay under N seeded random placements of new segments (the driver's choice; "
+                        "best fit breaks ties by address) and print the spread of peak reserved")
     r.add_argument("--engine", choices=("auto", "compiled", "python"), default="auto",
                    help="allocator model: auto (compiled core when it supports the replay, default), or one of them")
     r.set_defaults(func=_replay)

@@ -244,8 +244,13 @@ def test_snapshot_settings_effective_values_win():
     assert c.max_split_size == 128 * MiB and c.garbage_collection_threshold == 0.6
     assert c.roundup_power2_divisions[6] == 4 and sum(c.roundup_power2_divisions) == 4
     assert c.graph_capture_record_stream_reuse and c.per_process_memory_fraction == 0.75
+    assert c.torch_version is None and c.torch_version_source.startswith("2.9 or later")  # no upper bound
     unlimited = AllocatorConfig.from_snapshot_settings({"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1})
-    assert unlimited == AllocatorConfig()
+    assert unlimited == AllocatorConfig(torch_version=(2, 8))  # PyTorch's settings without the 2.9 key
+    assert "at most 2.8" in unlimited.torch_version_source
+    given = AllocatorConfig.from_snapshot_settings({"max_split_size": -1}, "2.7")
+    assert given.torch_version == (2, 7) and given.torch_version_source == "given"
+    assert AllocatorConfig.from_snapshot_settings({"PYTORCH_CUDA_ALLOC_CONF": ""}).torch_version is None
     with pytest.raises(AllocatorConfigError, match=r"allocator_settings\['max_split_size'\]"):
         AllocatorConfig.from_snapshot_settings({"max_split_size": "big"})
 
@@ -284,3 +289,20 @@ def test_both_engines_agree_on_the_limited_memory_scenario(version, conf):
     expected[("2.10", "expandable_segments:True")] = (3, 3)
     expected[("2.10", "per_process_memory_fraction:0.5")] = (2, 2)
     assert (py.total.ooms, py.total.alloc_retries) == expected[(version, conf)]
+
+
+def test_replay_json_names_the_version_and_why():
+    """rlhfmem replay --json: a snapshot whose settings lack the 2.9 key replays as 2.8 and says so."""
+    from helpers import shared_snapshot
+    from pytest_rlhfmem.memory.replay import agreement, replay_columns, replay_json
+    from pytest_rlhfmem.memory.replay_engine import load_columns_for_replay, recorded_summary_columns
+
+    path = str(shared_snapshot("slime_init_b"))
+    cols, config = load_columns_for_replay(path)
+    result = replay_columns(cols, config, mode="anchored")
+    rec = recorded_summary_columns(cols)
+    out = replay_json(path, "anchored", config, cols, result, rec, agreement(rec, result, True))
+    assert out["torch_version"] == "2.8" and "at most 2.8" in out["torch_version_source"]
+    assert out["agreement"]["segment_allocs_matching"] == 422
+    cols, config = load_columns_for_replay(path, torch_version="2.10")
+    assert config.torch_version == (2, 10) and config.torch_version_source == "given"

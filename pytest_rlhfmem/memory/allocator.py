@@ -38,7 +38,7 @@ allocators behind a MemPool (their segments are modelled as cudaMalloc'd ones).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 
 from bisect import bisect_left, insort
@@ -168,6 +168,8 @@ class AllocatorConfig:
     torch_version: tuple[int, int] | str | None = None  # a string is parsed: parse_torch_version
     use_on_oom_pools: tuple[tuple[int, int], ...] = ()
     no_split_pools: tuple[tuple[int, int], ...] = ()
+    # why torch_version is what it is ("given", what the snapshot's settings prove, or "" = unknown)
+    torch_version_source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         # accept "2.10.0+cu128" and lists of ids (normalised: the config is hashable and compares by value)
@@ -290,12 +292,16 @@ class AllocatorConfig:
         ``max_split_size`` (bytes; -1 = unlimited), ``garbage_collection_threshold``,
         ``roundup_power2_divisions`` (``{"1": div, ..., "32768": div}``, keys in MiB), ``expandable_segments``
         (only ``True`` is taken: the flag of a trace this project wrote is always ``False``),
-        ``per_process_memory_fraction`` and ``graph_capture_record_stream_reuse``. Raises
+        ``per_process_memory_fraction`` and ``graph_capture_record_stream_reuse``. Without ``torch_version``
+        the version is the newest the settings allow (:func:`torch_version_from_settings`). Raises
         :class:`AllocatorConfigError` naming the key for a value PyTorch could not have written.
         """
         version = parse_torch_version(torch_version)
+        source = "given" if version is not None else ""
+        if version is None:
+            version, source = torch_version_from_settings(settings)
         if not settings:
-            return cls(torch_version=version)
+            return cls(torch_version=version, torch_version_source=source)
         # PyTorch >= 2.9 reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF as its alias
         conf = settings.get("PYTORCH_ALLOC_CONF") or settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
         config = cls.parse(conf, version)
@@ -303,13 +309,28 @@ class AllocatorConfig:
             # set through torch.cuda.memory._set_allocator_settings: the flag is in the settings only
             conf = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
             config = cls.parse(conf, version)
-        return config.with_options(**_effective_settings(settings, config))
+        return config.with_options(torch_version_source=source, **_effective_settings(settings, config))
 
     def roundup_divisions_for(self, size: int) -> int:
         """``CUDAAllocatorConfig::roundup_power2_divisions(size)``."""
         log_size = size.bit_length() - 1
         index = log_size - 20 if log_size > 20 else 0
         return self.roundup_power2_divisions[min(index, kRoundUpPowerOfTwoIntervals - 1)]
+
+
+def torch_version_from_settings(settings: dict | None) -> tuple[tuple[int, int] | None, str]:
+    """``(version, why)``: the newest PyTorch a snapshot's ``allocator_settings`` allow, or ``(None, "")``.
+
+    ``torch/csrc/cuda/Module.cpp`` (``_memory_snapshot``) writes ``graph_capture_record_stream_reuse`` beside
+    ``max_split_size`` from 2.9 (PR 158352): settings written by PyTorch (they hold ``max_split_size``) without
+    it come from 2.8 or before, and the model then replays 2.8's behaviours. Anything else proves no upper
+    bound: the version stays ``None`` (the newest modelled behaviour), ``why`` saying what is known."""
+    written_by_torch = isinstance(settings, dict) and "max_split_size" in settings
+    if written_by_torch and "graph_capture_record_stream_reuse" not in settings:  # type: ignore[operator]
+        return (2, 8), "at most 2.8: allocator_settings lack graph_capture_record_stream_reuse (written from 2.9)"
+    if written_by_torch:
+        return None, "2.9 or later (allocator_settings hold graph_capture_record_stream_reuse): the newest modelled"
+    return None, ""
 
 
 def _effective_settings(settings: dict, config: AllocatorConfig) -> dict:

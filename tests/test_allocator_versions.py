@@ -1,9 +1,10 @@
 """PyTorch 2.8-2.10 allocator behaviours, each under the version it belongs to (issue 22).
 
 Read in ``c10/cuda/CUDACachingAllocator.cpp`` and ``c10/cuda/CUDAAllocatorConfig.cpp`` (main after PRs 169699
-and 169739); the scenarios follow PyTorch's own tests in ``test/test_cuda.py`` (``TestMemPool``:
+and 169739); the scenarios follow PyTorch's own tests of ``test/test_cuda.py`` (``TestMemPool``:
 ``test_mempool_limited_memory_with_allocator``, ``test_deleted_mempool_not_used_on_oom``,
-``test_mempool_no_split``), rewritten for the model: a limited device is a ``capacity``, a MemPool's life is
+``test_mempool_no_split``; read in their torch_npu and torch_musa ports, which keep the names, sizes and
+comments), rewritten for the model: a limited device is a ``capacity``, a MemPool's life is
 ``create_or_incref_pool`` / ``begin_allocate_to_pool`` ... ``release_pool`` + ``empty_cache(pool id)`` as
 ``python_engine.py`` replays POOL_ENTER / POOL_EXIT / POOL_RELEASE. Each scenario also runs through both
 replay engines, which must agree.

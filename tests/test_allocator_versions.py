@@ -305,5 +305,10 @@ def test_replay_json_names_the_version_and_why():
     out = replay_json(path, "anchored", config, cols, result, rec, agreement(rec, result, True))
     assert out["torch_version"] == "2.8" and "at most 2.8" in out["torch_version_source"]
     assert out["agreement"]["segment_allocs_matching"] == 422
+    assert out["allowed_memory_maximum"] is None
     cols, config = load_columns_for_replay(path, torch_version="2.10")
     assert config.torch_version == (2, 10) and config.torch_version_source == "given"
+    config = config.with_options(per_process_memory_fraction=0.5)
+    result = replay_columns(cols, config, capacity=8 * 1024 * MiB)
+    out = replay_json(path, "free-running", config, cols, result, rec, agreement(rec, result, True))
+    assert out["capacity"] == 8 * 1024 * MiB and out["allowed_memory_maximum"] == 4 * 1024 * MiB

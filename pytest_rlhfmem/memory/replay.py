@@ -28,7 +28,7 @@ and re-exports the names its callers have always imported from it (modes, result
 
 from __future__ import annotations
 
-from .allocator import AllocatorConfig
+from .allocator import AllocatorConfig, allowed_memory_maximum
 from .columns import TraceColumns, columns_from_trace
 from .events import Trace
 from .python_engine import replay_python, with_flush_events, with_flushes
@@ -153,6 +153,9 @@ def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace, res
         "torch_version_source": config.torch_version_source or "unknown: the newest modelled behaviour",
         "capacity": result.capacity,
         "capacity_source": result.capacity_source,
+        # per_process_memory_fraction (2.10): the bytes the allocator may reserve, None without a fraction below 1
+        "allowed_memory_maximum": (allowed_memory_maximum(config, result.capacity)
+                                   if config.per_process_memory_fraction < 1.0 else None),
         "capture": trace.capture,
         "engine": result.engine,
         "engine_reason": result.engine_reason,

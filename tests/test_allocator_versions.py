@@ -252,6 +252,8 @@ def test_snapshot_settings_effective_values_win():
     given = AllocatorConfig.from_snapshot_settings({"max_split_size": -1}, "2.7")
     assert given.torch_version == (2, 7) and given.torch_version_source == "given"
     assert AllocatorConfig.from_snapshot_settings({"PYTORCH_CUDA_ALLOC_CONF": ""}).torch_version is None
+    captured = AllocatorConfig.from_snapshot_settings({"rlhfmem_torch_version": "2.9.1+cpu", "max_split_size": -1})
+    assert captured.torch_version == (2, 9) and "rlhfmem_torch_version" in captured.torch_version_source
     with pytest.raises(AllocatorConfigError, match=r"allocator_settings\['max_split_size'\]"):
         AllocatorConfig.from_snapshot_settings({"max_split_size": "big"})
 

@@ -319,12 +319,16 @@ class AllocatorConfig:
 
 
 def torch_version_from_settings(settings: dict | None) -> tuple[tuple[int, int] | None, str]:
-    """``(version, why)``: the newest PyTorch a snapshot's ``allocator_settings`` allow, or ``(None, "")``.
+    """``(version, why)``: the PyTorch a trace's ``allocator_settings`` name (``rlhfmem_torch_version``, e.g.
+    ``"2.10.0+cpu"``, for a trace captured with a known torch), else the newest they allow, or ``(None, "")``.
 
     ``torch/csrc/cuda/Module.cpp`` (``_memory_snapshot``) writes ``graph_capture_record_stream_reuse`` beside
     ``max_split_size`` from 2.9 (PR 158352): settings written by PyTorch (they hold ``max_split_size``) without
     it come from 2.8 or before, and the model then replays 2.8's behaviours. Anything else proves no upper
     bound: the version stays ``None`` (the newest modelled behaviour), ``why`` saying what is known."""
+    recorded = settings.get("rlhfmem_torch_version") if isinstance(settings, dict) else None
+    if isinstance(recorded, str) and recorded:  # a trace this project captured names the torch it ran
+        return parse_torch_version(recorded), "recorded: allocator_settings['rlhfmem_torch_version']"
     written_by_torch = isinstance(settings, dict) and "max_split_size" in settings
     if written_by_torch and "graph_capture_record_stream_reuse" not in settings:  # type: ignore[operator]
         return (2, 8), "at most 2.8: allocator_settings lack graph_capture_record_stream_reuse (written from 2.9)"

@@ -3,13 +3,16 @@
 OPT-1.3b actor/reference + OPT-350m critic/reward, LoRA dim 128, batch 2, prompt 256 + answer 256, fp16,
 4 ranks (rank 0 simulated on a fake process group), strategies none / ZeRO-2 / ZeRO-3 / ZeRO-3 + offload
 / all, each with flush none and after-inference. Each strategy runs ONCE with the after-inference flush
-marks; the flush-none figures replay the same trace without them (a fake run's allocations do not depend
-on the allocator). Prints the Table-1-shaped result beside Zhou et al.'s numbers, with wall time, route
-and the phase of each peak, and writes every result JSON to --out.
+marks; the flush-none figures replay the same trace without the policy's flush marks (a simulated run's
+allocations do not depend on the allocator). Prints the Table-1-shaped result beside Zhou et al.'s
+numbers, with the phase of each peak, and the time per strategy (each strategy's line as it finishes, and
+a block at the end: process and iteration wall and CPU time), and writes every result JSON to --out.
 
-    PYTHONPATH=. python benchmarks/study_scale.py [--strategies none,zero2] [--out DIR] [--jobs 2]
+    PYTHONPATH=. python benchmarks/study_scale.py [--strategies none,zero2] [--out DIR] [--jobs 2] [--tensors sim|fake]
 
-Figures are simulated (allocator model replaying a fake-CUDA trace), in GiB (2**30 bytes).
+``--tensors sim`` (default): the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``); ``fake``:
+``FakeTensorMode`` with the dispatcher recorder. Figures are simulated (the allocator model replaying
+the recorded device trace), in GiB (2**30 bytes).
 """
 
 from __future__ import annotations
@@ -41,12 +44,31 @@ def study_scenario(strategy: str, flush: str, models: str = "opt-1.3b", override
     return Scenario("deepspeed-chat", models, strategy, flush, 4, dict(overrides or {}))
 
 
-def run_strategy(strategy: str, out: Path, models: str, overrides: dict, timeout: float) -> dict[str, dict]:
+def run_strategy(strategy: str, out: Path, models: str, overrides: dict, timeout: float,
+                 tensors: str = "sim") -> dict[str, dict]:
     sc = study_scenario(strategy, "after-inference", models, overrides)
+    t0 = time.perf_counter()
     try:
-        return run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout)
+        res = run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout, tensors=tensors)
     except FakeCudaRunError as exc:
-        return {sc.id: {"status": "failed", "error": {"message": str(exc)[-2000:]}}}
+        res = {sc.id: {"status": "failed", "error": {"message": str(exc)[-2000:]}}}
+    r = res.get(sc.id, {})
+    print(f"{strategy}: {time_line(r, time.perf_counter() - t0)}", flush=True)
+    return res
+
+
+def time_line(r: dict, wall: float | None = None) -> str:
+    """The time one strategy took: the worker process's wall time and CPU time (CPU time is what an
+    unloaded core would take), and the iteration's, with its generate phase."""
+    gen = next((p["wall_s"] for p in r.get("phases", []) if p["phase"] == "generate"), None)
+    parts = [f"{r.get('tensors', 'fake')} tensors, {r.get('status', 'no result')}",
+             f"process wall {r.get('process_wall_s', wall or 0):.0f} s",
+             f"process CPU {r['process_cpu_s']:.0f} s" if r.get("process_cpu_s") is not None else "process CPU -",
+             f"iteration wall {r.get('wall_s', 0):.0f} s",
+             f"iteration CPU {r['iteration_cpu_s']:.0f} s" if r.get("iteration_cpu_s") is not None else "",
+             f"generate wall {gen:.0f} s" if gen is not None else "",
+             f"host RSS peak {r.get('host_rss_peak', 0) / GIB:.2f} GiB"]
+    return ", ".join(p for p in parts if p)
 
 
 def table(results: dict[str, dict], strategies: list[str], models: str, overrides: dict) -> str:
@@ -62,12 +84,13 @@ def table(results: dict[str, dict], strategies: list[str], models: str, override
         study = f"{st[0]}/{st[1]}/{st[2]} -> {st[3]}/{st[4]}" if st else "-"
         if a.get("status") != "ok" or b.get("status") != "ok":
             err = (b.get("error") or a.get("error") or {}).get("message", "no result")
-            rows.append(f"| {s} | failed: {err.splitlines()[0][:80] if err else ''} |||||||| {study} | - | fake-cuda |")
+            rows.append(f"| {s} | failed: {err.splitlines()[0][:80] if err else ''} |||||||| {study} | - | - |")
             continue
         ta, tb = a["total"], b["total"]
         rows.append(f"| {s} | {g(ta['peak_reserved'])} | {g(ta['fragmentation_at_peak'])} | {g(ta['peak_allocated'])} "
                     f"| {a['peak_phase']} | {g(tb['peak_reserved'])} | {g(tb['fragmentation_at_peak'])} "
-                    f"| {b['peak_phase']} | {study} | {b.get('process_wall_s', b.get('wall_s', 0)):.0f} | fake-cuda |")
+                    f"| {b['peak_phase']} | {study} | {b.get('process_wall_s', b.get('wall_s', 0)):.0f} "
+                    f"| {b.get('route', 'fake-cuda')} |")
     return "\n".join(rows)
 
 
@@ -89,6 +112,16 @@ def phase_table(results: dict[str, dict], strategies: list[str], models: str, ov
             rows.append(f"{s:14s} cost: process {r.get('process_wall_s', 0):.0f} s, host RSS peak "
                         f"{r.get('host_rss_peak', 0) / GIB:.2f} GiB; {walls}")
     return "per phase, peak reserved/allocated GiB:\n" + "\n".join(rows)
+
+
+def times(results: dict[str, dict], strategies: list[str], models: str, overrides: dict) -> str:
+    """Time per strategy (one worker process each)."""
+    rows = []
+    for s in strategies:
+        r = results.get(study_scenario(s, "after-inference", models, overrides).id)
+        if r:
+            rows.append(f"{s:14s} {time_line(r)}")
+    return "time per strategy:\n" + "\n".join(rows)
 
 
 def findings(results: dict[str, dict], models: str, overrides: dict) -> str:
@@ -130,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overrides", default="{}", help="scenario overrides JSON (e.g. a smaller answer_len)")
     ap.add_argument("--out", default="study-scale-results")
     ap.add_argument("--jobs", type=int, default=1, help="strategies run at once (each uses one core)")
+    ap.add_argument("--tensors", choices=("sim", "fake"), default="sim",
+                    help="sim: the simulated CUDA device (fakecuda/csrc/sim_cuda.cpp; default, several times "
+                         "faster); fake: FakeTensorMode with the dispatcher recorder (the route's first form)")
     ap.add_argument("--timeout", type=float, default=7200.0)
     ap.add_argument("--from", dest="from_dirs", default=None,
                     help="comma-separated result directories of earlier runs: print their table, run nothing")
@@ -152,18 +188,21 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results, strategies, args.models, overrides))
         print(phase_table(results, strategies, args.models, overrides))
         print(findings(results, args.models, overrides))
+        print(times(results, strategies, args.models, overrides))
         return 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout), strategies):
+        for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout, args.tensors),
+                            strategies):
             results.update(res)
     (out / "summary.json").write_text(json.dumps(
         {k: {kk: v.get(kk) for kk in ("status", "total", "peak_phase", "phases", "process_wall_s", "host_rss_peak",
                                       "adjustments", "placement", "recipe")} for k, v in results.items()}, indent=1))
-    print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}: SIMULATED "
-          "(fake-CUDA trace replayed through the allocator model), GiB")
+    print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}, {args.tensors} tensors: "
+          "SIMULATED (the recorded device trace replayed through the allocator model), GiB")
     print(table(results, strategies, args.models, overrides))
     print(phase_table(results, strategies, args.models, overrides))
     print(findings(results, args.models, overrides))
+    print(times(results, strategies, args.models, overrides))
     print(f"total wall {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -80,3 +80,32 @@ def test_tiny_deepspeed_chat_iteration_on_the_fake_route(tmp_path):
         assert (t["peak_reserved"], t["peak_allocated"], t["fragmentation_at_peak"], t["cuda_malloc_count"],
                 r["peak_phase"]) == (62_914_560, 51_551_744, 13_672_960, 12, "train_actor"), r["scenario_id"]
 
+
+
+@pytest.mark.parametrize("strategy", ("none", "zero3-offload"))
+def test_tiny_deepspeed_chat_iteration_on_the_simulated_device(tmp_path, strategy):
+    """The same recipe with ``tensors="sim"``: the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``) in
+    place of ``FakeTensorMode``, the route ``benchmarks/study_scale.py`` uses by default."""
+    sc = Scenario("deepspeed-chat", "tiny-opt", strategy, "after-inference", 2)
+    results = run_fake_cuda(sc, work_dir=tmp_path, without_flush=True, timeout=900, tensors="sim")
+    assert set(results) == {sc.id, Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2).id}
+    for r in results.values():
+        assert r["status"] == "ok", r.get("error")
+        assert r["capture"] == "sim-cuda-simulated" and r["simulated"] is True and r["route"] == "sim-cuda"
+        assert r["recipe"]["dtype"] == "float16"
+        assert r["adjustments"]["cublas_workspace"]["count"] == 2
+        assert r["placement"]["annotated_host_bytes_on_cuda"] == 0
+        assert r["scalar_answers"] and r["iteration_cpu_s"] > 0
+    if strategy != "none":
+        assert results[sc.id]["placement"]["annotated_host_bytes_on_cpu"] > 0  # offloaded: real host tensors
+        return
+    assert len(results[sc.id]["flushes"]) == 5
+    # Pinned (simulated, rank 0). Against the fake route's (62_914_560, 51_551_744, 13_672_960, 12) above:
+    # 512 B more fragmentation at the same peak. Measured per op (tiny-opt, 16 + 16 tokens): the simulated
+    # device also records the temporaries made inside ``_safe_softmax``'s composite kernel (which a GPU runs
+    # too; FakeTensorMode runs it below the fake route's recorder) and ``native_layer_norm``'s mean and rstd
+    # as two storages, as the CUDA kernel allocates them (one on the fake route).
+    for r in results.values():
+        t = r["total"]
+        assert (t["peak_reserved"], t["peak_allocated"], t["fragmentation_at_peak"], t["cuda_malloc_count"],
+                r["peak_phase"]) == (62_914_560, 51_551_744, 13_673_472, 12, "train_actor"), r["scenario_id"]

@@ -324,3 +324,43 @@ class _RecordingMode(TorchDispatchMode):
         if func is aten.resize_.default or func is aten.set_.source_Storage_storage_offset:
             self.rec.track(args[0])
         return out
+
+
+def sim_device_recorder(on_phase: object = None):
+    """The recipe's ``rec`` on the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``): a
+    :class:`~..memory.capture.Recorder` reading the device's own allocation log (``memory/sim_cuda.py``:
+    ``SimCudaRows``), with the fake route's placement check. Create after the device's library is loaded
+    and ``torch`` imported."""
+    from ..memory.capture import Recorder
+    from ..memory.sim_cuda import SimCudaRows
+
+    @dataclass
+    class SimDeviceRecorder(Recorder):
+        """Placement calls do not edit the trace: on the simulated device a host tensor is a real ``cpu``
+        tensor, never in the device log, and a move is a real free or allocation in it. They are checked
+        (``placement``: annotated bytes found on the device would mean the recipe and DeepSpeed disagree)."""
+
+        placement: dict[str, int] = field(default_factory=lambda: {"annotated_host_bytes_on_cpu": 0,
+                                                                   "annotated_host_bytes_on_cuda": 0})
+        scalar_answers: dict[str, dict] = field(default_factory=dict)  # call site -> {op, dtype, answer, count}
+
+        def host_resident(self, tensors: Iterable) -> None:
+            seen: set[int] = set()
+            for t in tensors:
+                if t is None:
+                    continue
+                st = t.untyped_storage()
+                if id(st) in seen:
+                    continue
+                seen.add(id(st))
+                key = "annotated_host_bytes_on_cuda" if t.device.type == "cuda" else "annotated_host_bytes_on_cpu"
+                self.placement[key] += st.nbytes()
+            self.host_bytes_annotated = self.placement["annotated_host_bytes_on_cpu"]
+
+        def moved_to_host(self, tensors: Iterable) -> None:
+            pass  # the device log already has the free
+
+        def moved_to_device(self, tensors: Iterable) -> None:
+            pass  # ... and the allocation of a move back
+
+    return SimDeviceRecorder("cuda-sim", on_phase=on_phase, row_source=SimCudaRows(cublas_workspace_bytes()))

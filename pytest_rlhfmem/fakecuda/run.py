@@ -26,8 +26,11 @@ class FakeCudaRunError(RuntimeError):
 
 def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S,
                   work_dir: str | Path | None = None, without_flush: bool = False,
-                  keep_work: bool = False) -> dict[str, dict]:
+                  keep_work: bool = False, tensors: str = "fake") -> dict[str, dict]:
     """Run ``scenario`` (deepspeed-chat) as rank ``rank`` on the fake-CUDA route.
+
+    ``tensors``: ``fake`` (``FakeTensorMode`` and the dispatcher recorder) or ``sim`` (the simulated CUDA
+    device of ``fakecuda/csrc/sim_cuda.cpp``: meta kernels in C++, several times less CPU time).
 
     Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
     without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
@@ -42,7 +45,7 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
     name = scenario.id.replace("/", "__")
     out = work / f"{name}.json"
     cmd = [sys.executable, "-m", "pytest_rlhfmem.fakecuda.worker", "--scenario", json.dumps(scenario.to_dict()),
-           "--rank", str(rank), "--out", str(out)]
+           "--rank", str(rank), "--out", str(out), "--tensors", tensors]
     plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
     plain_out = work / f"{plain.id.replace('/', '__')}.json"
     if without_flush and plain.id != scenario.id:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sys
+import types
 from typing import Any
 
 import torch
@@ -223,6 +224,105 @@ def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
     returns their names (recorded in the result)."""
     global _RECORDER
     _RECORDER = recorder
+    names = _install_torch_cuda({})
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    names.append("Tensor.record_stream: no-op")
+    _patch_fake_data_setter()
+    names.append("FakeTensor.data setter: fake_device follows the new data")
+    _ORIG["swap_tensors"] = torch.utils.swap_tensors
+    torch.utils.swap_tensors = _swap_tensors
+    names.append("torch.utils.swap_tensors: .data assignment for fake parameters")
+    _patch_generation()
+    names.append("generate: stops after max_new_tokens steps")
+    if deepspeed:
+        names += _install_deepspeed()
+    return names
+
+
+def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
+    """Stand-ins for a run on the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``; ``lib`` its loaded
+    library, ``memory/sim_cuda.py: library()``): real tensors with CUDA dispatch keys, so only what that
+    device does not answer. ``torch.cuda.is_available()`` is True there (CUDA tensors can be made);
+    streams tag the device's allocations through ``lib``; ``.item()`` call sites on device tensors are
+    counted into ``scalar_answers`` (the device answers by dtype, as :data:`.recorder.SCALAR_ANSWERS`);
+    a device tensor's ``repr`` prints no values (it has none; on a GPU, printing computes on the device).
+    Returns the stand-ins' names."""
+    global _SIM_LIB
+    import ctypes
+
+    lib.rlhfmem_sim_cuda_stream.restype = ctypes.c_int64
+    _SIM_LIB = lib
+    props = types.SimpleNamespace(name="rlhfmem simulated CUDA device (RTX 3090 geometry)", total_memory=24 * 2**30,
+                                  major=8, minor=6, multi_processor_count=82, is_integrated=False,
+                                  is_multi_gpu_board=False)
+    names = _install_torch_cuda({
+        "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": _const(None),
+        "init": _const(None), "stream": sim_stream_context, "current_stream": sim_current_stream,
+        "get_device_properties": lambda device=None: props, "get_device_name": lambda device=None: props.name,
+        "mem_get_info": lambda device=None: (props.total_memory, props.total_memory),
+    })
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+    names.append("Tensor.record_stream: no-op")
+    _count_scalar_sites(scalar_answers)
+    names.append("Tensor.item/__bool__/__int__/__float__/tolist on device tensors: call sites counted")
+    original_repr = torch.Tensor.__repr__
+
+    def device_repr(self: torch.Tensor, *args: Any, **kwargs: Any) -> str:
+        if self.device.type == "cuda":
+            return f"tensor(<simulated CUDA: no values>, size={tuple(self.shape)}, dtype={self.dtype}, device='cuda:0')"
+        return original_repr(self, *args, **kwargs)
+
+    torch.Tensor.__repr__ = device_repr  # type: ignore[method-assign]
+    names.append("Tensor.__repr__ of device tensors: no values (DeepSpeed formats tensors into log strings)")
+    _patch_generation()
+    names.append("generate: stops after max_new_tokens steps")
+    return names + _install_deepspeed()
+
+
+_SIM_LIB: Any = None
+
+
+@contextlib.contextmanager
+def sim_stream_context(stream: Any):
+    """``torch.cuda.stream(s)`` on the simulated device: its allocations carry ``s``'s id."""
+    if stream is None:
+        yield
+        return
+    _streams[stream.stream_id] = stream
+    old = _SIM_LIB.rlhfmem_sim_cuda_stream()
+    _SIM_LIB.rlhfmem_sim_cuda_set_stream(stream.stream_id)
+    try:
+        yield
+    finally:
+        _SIM_LIB.rlhfmem_sim_cuda_set_stream(old)
+
+
+def sim_current_stream(device: Any = None) -> FakeStream:
+    return _streams.get(_SIM_LIB.rlhfmem_sim_cuda_stream(), DEFAULT_STREAM)
+
+
+def _count_scalar_sites(sites: dict[str, dict]) -> None:
+    """Wrap the Python calls that read a device tensor's value; count each call site (``file:line``)."""
+    from .recorder import _caller
+
+    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(t: torch.Tensor, *a: Any, _original: Any = original, _name: str = name, **k: Any) -> Any:
+            value = _original(t, *a, **k)
+            if t.device.type == "cuda":
+                entry = sites.setdefault(_caller(), {"op": _name, "dtype": str(t.dtype).replace("torch.", ""),
+                                                     "answer": value if _name != "tolist" else "list", "count": 0})
+                entry["count"] += 1
+            return value
+
+        wrapper.__name__ = name
+        setattr(torch.Tensor, name, wrapper)
+
+
+def _install_torch_cuda(extra: dict[str, Any]) -> list[str]:
+    """``torch.cuda``'s device, stream, event, memory-statistic and RNG functions (``extra`` adds or
+    overrides entries); returns the names."""
     names: list[str] = []
     cuda = torch.cuda
     replacements = {
@@ -236,6 +336,7 @@ def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
         "get_rng_state_all": lambda: [_fake_rng_state()], "set_rng_state_all": _noop,
         "manual_seed": _noop, "manual_seed_all": _noop, "is_bf16_supported": lambda *a, **k: True,
         "get_device_capability": lambda device=None: (8, 6), "is_current_stream_capturing": lambda: False,
+        **extra,
     }
     import torch._dynamo.trace_rules as trace_rules
 
@@ -247,20 +348,14 @@ def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
     names.append("torch.cuda." + ",".join(sorted(replacements)))
     cuda.nvtx.range_push = _const(0)  # type: ignore[assignment]
     cuda.nvtx.range_pop = _const(0)  # type: ignore[assignment]
-    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
-    names.append("Tensor.record_stream: no-op")
-    _patch_fake_data_setter()
-    names.append("FakeTensor.data setter: fake_device follows the new data")
-    _ORIG["swap_tensors"] = torch.utils.swap_tensors
-    torch.utils.swap_tensors = _swap_tensors
-    names.append("torch.utils.swap_tensors: .data assignment for fake parameters")
-    _patch_generation()
-    names.append("generate: stops after max_new_tokens steps")
-    if not deepspeed:
-        return names
+    return names
 
+
+def _install_deepspeed() -> list[str]:
+    """DeepSpeed's accelerator answers and its CUDA-only optimizers (see the module docstring)."""
     from deepspeed.accelerator import get_accelerator
 
+    names: list[str] = []
     acc = get_accelerator()
     if type(acc).__name__ != "CUDA_Accelerator":
         raise RuntimeError(f"fake-CUDA route needs DS_ACCELERATOR=cuda; DeepSpeed chose {type(acc).__name__}")

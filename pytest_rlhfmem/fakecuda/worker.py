@@ -15,6 +15,7 @@ the fixed answer given), ``placement`` (offload annotations checked) and ``stand
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -23,10 +24,30 @@ import traceback
 from pathlib import Path
 
 
+TENSORS = ("fake", "sim")
+POLICY_FLUSH = "after-"  # rlhf/common.py maybe_flush: the flush policy's FLUSH marks are "after-<phase>"
+
+
+def _sim_adjustments(result: dict) -> dict:
+    """The simulated device's own additions (cuBLAS workspaces, kernels' temporaries), as the fake route's
+    ``adjustments``."""
+    d = result.get("capture_description", {}).get("simulated_cuda_device", {})
+    return {"cublas_workspace": {"count": d.get("cublas_workspaces", 0)},
+            "reduction_staging_buffers": {"count": d.get("reduction_staging_buffers", 0)},
+            "index_put_sort_buffers": {"count": d.get("index_put_sort_buffers", 0)}}
+
+
 def _rss_peak_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return round(u.ru_utime + u.ru_stime, 3)
 
 
 def _write(path: Path, obj: dict) -> None:
@@ -43,11 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--without-flush-out", default=None,
                     help="also write the result of the same trace replayed without its FLUSH events (the "
                          "scenario with flush 'none'): a fake run's allocations do not depend on the flushes")
+    ap.add_argument("--tensors", choices=TENSORS, default="fake",
+                    help="fake: FakeTensorMode with the dispatcher recorder; sim: the simulated CUDA device "
+                         "(real ATen tensors, meta kernels in C++, the device's own allocation log)")
     args = ap.parse_args(argv)
+    sim = args.tensors == "sim"
+    if sim:
+        from ..memory.device_libs import SIM_SOURCE, library_path
+        from ..memory.sim_cuda import load_before_torch
 
-    from . import native
+        load_before_torch(str(library_path(SIM_SOURCE)))  # before torch
+    else:
+        from . import native
 
-    native.load()  # before torch
+        native.load()  # before torch
     os.environ["DS_ACCELERATOR"] = "cuda"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -61,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..rlhf.scenario import Scenario
     from ..capture import rank_result
     from . import standins
-    from .recorder import FakeCudaRecorder
+    from .recorder import FakeCudaRecorder, sim_device_recorder
 
     scenario = Scenario.from_dict(json.loads(args.scenario))
     if scenario.framework != "deepspeed-chat":
@@ -72,8 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     threads = scenario.get("threads", 1)
     torch.set_num_threads(threads)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    rec = FakeCudaRecorder()
-    names = standins.install(rec)
+    if sim:
+        from ..memory.sim_cuda import library
+
+        rec = sim_device_recorder()
+        names = standins.install_sim(library(), rec.scalar_answers)
+        tensor_mode = contextlib.nullcontext()
+    else:
+        rec = FakeCudaRecorder()
+        names = standins.install(rec)
+        tensor_mode = FakeTensorMode(allow_non_fake_inputs=True)
     import deepspeed
     import transformers  # noqa: F401 - imported outside the fake mode
 
@@ -82,40 +120,48 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed()
     startup_s = time.perf_counter() - t_start
     error = info = None
-    t0 = time.perf_counter()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    t0, c0 = time.perf_counter(), time.process_time()
+    with tensor_mode:
         rec.start()
+        if sim:  # DeepSpeed's own torch.cuda.empty_cache() calls: FLUSH events named by their caller
+            rec.intercept_empty_cache()
         try:
             info = run_iteration(scenario, rec, "cuda", rank, world_size)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
             error = {"phase": rec.phases[-1].name if rec.phases else "startup", "time": time.time(),
                      "type": type(exc).__name__, "message": str(exc)[:2000],
                      "traceback": traceback.format_exc()[-6000:]}
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         trace = rec.stop()
     result = rank_result(scenario, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
     result.update({
-        "route": "fake-cuda",
+        "route": "sim-cuda" if sim else "fake-cuda",
+        "tensors": args.tensors,
         "simulated": True,
-        "adjustments": rec.adjustments,
+        "adjustments": _sim_adjustments(result) if sim else rec.adjustments,
         "scalar_answers": rec.scalar_answers,
         "placement": rec.placement,
-        "live_by_site_at_phase_end": rec.live_by_site(),
+        # the simulated device's log has no Python call sites
+        "live_by_site_at_phase_end": None if sim else rec.live_by_site(),
         "standins": names,
         "startup_s": round(startup_s, 3),
+        "iteration_cpu_s": round(cpu, 3),  # CPU time of the iteration (wall_s counts waiting for a shared core)
         "replay_s": round(time.perf_counter() - t0 - wall, 3),
         "host_rss_peak": _rss_peak_bytes(),
+        "process_cpu_s": _cpu_seconds(),  # the worker's CPU time to here: startup, iteration, replay
     })
-    extra = {k: result[k] for k in ("route", "simulated", "adjustments", "scalar_answers", "placement", "standins",
-                                    "live_by_site_at_phase_end",
-                                    "startup_s", "host_rss_peak")}
+    extra = {k: result[k] for k in ("route", "tensors", "simulated", "adjustments", "scalar_answers", "placement",
+                                    "standins", "live_by_site_at_phase_end", "startup_s", "iteration_cpu_s",
+                                    "process_cpu_s", "host_rss_peak")}
     _write(Path(args.out), result)
     if args.without_flush_out:
         from ..memory.trace import FLUSH, Trace
 
         plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
         t1 = time.perf_counter()
-        trace = Trace(events=[e for e in trace.events if e.action != FLUSH], capture=trace.capture, source=trace.source)
+        # only the flush policy's marks ("after-<phase>"); DeepSpeed's own empty_cache() calls stay
+        trace = Trace(events=[e for e in trace.events if e.action != FLUSH or not e.name.startswith(POLICY_FLUSH)],
+                      capture=trace.capture, source=trace.source)
         other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
         other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
                      derived_from=f"{scenario.id}: same trace, FLUSH events removed")

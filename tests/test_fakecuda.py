@@ -109,3 +109,21 @@ def test_tiny_deepspeed_chat_iteration_on_the_simulated_device(tmp_path, strateg
         t = r["total"]
         assert (t["peak_reserved"], t["peak_allocated"], t["fragmentation_at_peak"], t["cuda_malloc_count"],
                 r["peak_phase"]) == (62_914_560, 51_551_744, 13_673_472, 12, "train_actor"), r["scenario_id"]
+
+
+def test_ema_keeps_a_fifth_model_and_updates_it_after_training(tmp_path):
+    """DeepSpeed-Chat's ``--enable_ema`` (``rlhf_engine.py: _init_ema``, ``utils.py: moving_average``): the
+    actor's moving-average copy is built in ``init`` (reference's eval config) and updated in an ``ema``
+    phase after the critic's update. Needs the scenario override ``ema`` (``rlhf/scenario.py``)."""
+    from pytest_rlhfmem.rlhf.scenario import OVERRIDES
+
+    if "ema" not in OVERRIDES:
+        pytest.skip("rlhf/scenario.py has no 'ema' override yet (the recipe reads scenario.get('ema'))")
+    base = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2)
+    with_ema = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2, {"ema": True})
+    off = run_fake_cuda(base, work_dir=tmp_path / "off", timeout=900, tensors="sim")[base.id]
+    on = run_fake_cuda(with_ema, work_dir=tmp_path / "on", timeout=900, tensors="sim")[with_ema.id]
+    assert off["status"] == "ok" and on["status"] == "ok", on.get("error")
+    assert on["recipe"]["ema"] is True and [p["phase"] for p in on["phases"]][-1] == "ema"
+    init = lambda r: next(p for p in r["phases"] if p["phase"] == "init")  # noqa: E731
+    assert init(on)["peak_allocated"] > init(off)["peak_allocated"]  # the fifth model's partition

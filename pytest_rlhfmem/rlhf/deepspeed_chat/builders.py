@@ -129,6 +129,43 @@ def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train
     return actor_engine, ref_engine
 
 
+EMA_BETA = 0.992  # dschat/utils/utils.py: moving_average(model, model_ema, beta=0.992, ...)
+
+
+def init_ema(scenario: Scenario, pair: ModelPair, rec: Recorder, eval_cfg: dict, dtype: torch.dtype,
+             lora_dim: int) -> Any:
+    """The actor's moving-average copy (``rlhf_engine.py``: ``_init_ema``, with ``--enable_ema``): the actor's
+    architecture on the reference's eval config (stage 3 only if the actor is; offloaded as the reference
+    is), LoRA of the actor's rank converted (DeepSpeed-Chat's ``convert_linear_layer_to_lora``, no
+    ``only_optimize_lora``), an engine without optimizer: a fifth model resident on the device."""
+    import deepspeed
+
+    stage, offload, _ = STRATEGY_SETTINGS[scenario.strategy]
+    cfg = per_engine(eval_cfg, "ema")
+    ema = create_hf_model(pair.actor, cfg, scenario.get("actor_path"), dtype)
+    if lora_dim > 0:
+        ema = convert_to_lora(ema, pair, lora_dim, only_optimize_lora=False)
+    ema_engine, *_ = deepspeed.initialize(model=ema, config=cfg)
+    rec.host_resident(offloaded_tensors(ema_engine, offload and stage == 3))
+    return ema_engine
+
+
+def moving_average(model: Any, model_ema: Any, zero_stage: int, beta: float = EMA_BETA) -> None:
+    """``dschat/utils/utils.py: moving_average``, called by step 3's ``main.py`` after every ``train_rlhf`` when
+    ``--enable_ema``: for each (actor, EMA) parameter pair, ZeRO-3 gathers the partitioned ones
+    (``GatheredParameters``), then ``param_ema.data.copy_(torch.lerp(param.data, param_ema.data, beta))``:
+    one parameter-sized ``lerp`` result at a time, freed after the copy."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    with torch.no_grad():
+        for param, param_ema in zip(model.parameters(), model_ema.parameters()):
+            fetch = [p for p in (param, param_ema)
+                     if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE] if zero_stage == 3 else []
+            with deepspeed.zero.GatheredParameters(fetch, enabled=len(fetch) > 0):
+                param_ema.data.copy_(torch.lerp(param.data, param_ema.data, beta))
+
+
 def init_reward(scenario: Scenario, pair: ModelPair, rec: Recorder, reward_cfg: dict, dtype: torch.dtype) -> Any:
     """The reward model's engine (``rlhf_engine.py``: ``_init_reward``): the critic's architecture on the
     eval config, stage 3 only if the critic is."""

@@ -21,8 +21,8 @@ from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
 from ..models import get_pair
 from ..scenario import Scenario
 from .builders import (
-    create_critic_model, init_actor_and_ref, init_reward, lora_critic, make_optimizer, offloaded_tensors,
-    optimizer_state_summary,
+    create_critic_model, init_actor_and_ref, init_ema, init_reward, lora_critic, make_optimizer, moving_average,
+    offloaded_tensors, optimizer_state_summary,
 )
 from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter, per_engine
 
@@ -46,12 +46,15 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     nvme = largest_parameter(pair) if offload == "nvme" else None  # staging buffers hold the largest parameter
     train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets, nvme)
     eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets, nvme)
+    ema = bool(scenario.get("ema", False))  # DeepSpeed-Chat's --enable_ema (off by default there)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
     hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
         actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
                                                       lora_dim, only_lora)
+        # rlhf_engine.py builds actor, reference, EMA, critic, reward in that order
+        ema_engine = init_ema(scenario, pair, rec, eval_cfg, dtype, lora_dim) if ema else None
         # critic (_init_critic): gradient checkpointing from the start
         critic_cfg = per_engine(train_cfg, "critic")
         critic = create_critic_model(pair.critic, critic_cfg, scenario.get("critic_path"), dtype)
@@ -133,6 +136,9 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
         rec.host_resident(offloaded_tensors(critic_engine, offload))
         hooks.at("train_critic")
     maybe_flush(scenario, rec, "train_critic")
+    if ema_engine is not None:  # step 3's main.py: after each train_rlhf
+        with rec.phase("ema"):
+            moving_average(actor_engine, ema_engine, zero_stage=stage)
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()
     states = {"actor": optimizer_state_summary(actor_engine), "critic": optimizer_state_summary(critic_engine)}
@@ -142,7 +148,7 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
         "critic_loss": float(critic_loss.detach().float()),
         "dtype": str(dtype).replace("torch.", ""),
         "zero_stage": stage, "reference_stage": ref_stage, "reward_stage": reward_stage,
-        "offload": offload, "gradient_checkpointing": grad_ckpt, "lora_dim": lora_dim,
+        "offload": offload, "gradient_checkpointing": grad_ckpt, "lora_dim": lora_dim, "ema": ema,
         "batch_size": batch, "prompt_len": prompt_len, "answer_len": answer_len,
         "bucket_elements": buckets, "sequence_shape": list(seq.shape),
     }

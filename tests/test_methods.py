@@ -64,6 +64,8 @@ def test_ppo_ids_are_unchanged_and_other_algorithms_add_a_segment():
         "deepspeed-chat/tiny-opt/zero2/grpo/flush-none/x2/group_size=2"
     assert Scenario("colossalchat", "tiny-opt", "none", "none", 2, {}, "remax").id == \
         "colossalchat/tiny-opt/none/remax/flush-none/x2"
+    assert Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2, {"ema": True}).id == \
+        "deepspeed-chat/tiny-opt/zero3/flush-none/x2/ema=True"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -73,6 +75,10 @@ def test_ppo_ids_are_unchanged_and_other_algorithms_add_a_segment():
     ({"overrides": {"group_size": 4}}, "group_size applies to algorithm grpo only"),
     ({"strategy": "hydra", "algorithm": "grpo"}, "strategy 'hydra' is Hydra-PPO: algorithm must be ppo"),
     ({"framework": "colossalchat", "strategy": "hydra"}, "unknown strategy for colossalchat 'hydra'; valid: none"),
+    ({"framework": "colossalchat", "overrides": {"ema": True}},
+     "override ema is a flag of DeepSpeed-Chat's PPO script: framework must be deepspeed-chat"),
+    ({"algorithm": "remax", "overrides": {"ema": True}}, "and algorithm ppo, got 'deepspeed-chat' / 'remax'"),
+    ({"overrides": {"ema": 1}}, "override ema=1 must be of type bool"),
 ])
 def test_bad_input_is_one_clear_error_naming_the_valid_values(kwargs, message):
     args = {"framework": "deepspeed-chat", "models": "tiny-opt", "strategy": "none", "flush": "none", "world_size": 2,

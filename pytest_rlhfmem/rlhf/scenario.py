@@ -37,7 +37,9 @@ OVERRIDES: dict[str, type] = {
     "batch_size": int, "prompt_len": int, "answer_len": int, "lora_dim": int, "only_optimize_lora": bool,
     "actor_path": str, "critic_path": str, "seed": int, "threads": int, "dtype": str, "group_size": int,
     "inject_crash": str, "inject_hang": str,  # test hooks: "<phase>" or "<phase>:<rank>"
+    "ema": bool,  # DeepSpeed-Chat's --enable_ema: the actor's moving-average copy, updated after training
 }
+DEEPSPEED_CHAT_ONLY = ("ema",)  # overrides that are a DeepSpeed-Chat training-script flag
 
 
 class ScenarioError(ValueError):
@@ -81,6 +83,10 @@ class Scenario:
                 raise ScenarioError(f"unknown scenario override {k!r}; valid: {', '.join(OVERRIDES)}")
             if not isinstance(v, OVERRIDES[k]) or (OVERRIDES[k] is int and isinstance(v, bool)):
                 raise ScenarioError(f"override {k}={v!r} must be of type {OVERRIDES[k].__name__}")
+        for k in DEEPSPEED_CHAT_ONLY:
+            if k in self.overrides and (self.framework != "deepspeed-chat" or self.algorithm != "ppo"):
+                raise ScenarioError(f"override {k} is a flag of DeepSpeed-Chat's PPO script: framework must be "
+                                    f"deepspeed-chat and algorithm ppo, got {self.framework!r} / {self.algorithm!r}")
         if "group_size" in self.overrides:
             if self.algorithm != "grpo":
                 raise ScenarioError(f"override group_size applies to algorithm grpo only, not {self.algorithm!r}")
@@ -94,7 +100,7 @@ class Scenario:
         base = f"{self.framework}/{self.models}/{self.strategy}{alg}/flush-{self.flush}/x{self.world_size}"
         shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
                  if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype",
-                          "group_size")]
+                          "group_size", "ema")]
         return base + ("/" + ",".join(shape) if shape else "")
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -48,8 +48,10 @@ def _result(strategy: str, flush: str, tmp_dir: Path) -> dict:
                     pytest.fail(f"RLHFMEM_STUDY_SIM_RESULTS: {p} does not exist")
                 _cache[_scenario(strategy, f).id] = json.loads(p.read_text())
         else:
+            # the pinned table is the FakeTensorMode back-end's; the simulated CUDA device's figures differ by its
+            # kernels' temporaries and DeepSpeed's own empty_cache() calls (docs/fake-cuda-route.md)
             _cache.update(run_fake_cuda(_scenario(strategy, "after-inference"), work_dir=tmp_dir,
-                                        without_flush=True, timeout=7200))
+                                        without_flush=True, timeout=7200, tensors="fake"))
     return _cache[sc.id]
 
 

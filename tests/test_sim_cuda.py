@@ -137,3 +137,29 @@ def test_cs336_training_script_unchanged_against_the_gpu_recording(tmp_path):
     assert spread["peak_reserved"]["counts"].get(rec["peak_reserved"], 0) >= 1  # the GPU's figure is one outcome
     assert spread["peak_reserved"]["min"] <= cap["peak_reserved"] <= rec["peak_reserved"] \
         <= spread["peak_reserved"]["max"]
+
+
+def test_memory_efficient_attention_keeps_output_and_logsumexp_not_the_score_matrix(tmp_path):
+    """``--sdpa efficient`` (``$RLHFMEM_SIM_CUDA_SDPA``): scaled_dot_product_attention runs the memory-efficient
+    kernels (their meta kernels' outputs); the default, math, materialises the (B, H, T, T) scores and keeps
+    the softmax for backward. The philox seed and offset are host tensors, as attention.cu makes them."""
+    figures = {}
+    for backend in ("math", "efficient"):
+        result = run_command([str(COMMANDS / "cuda_sdpa.py")], f"sdpa-{backend}", device="cuda-sim",
+                             work_dir=tmp_path / backend, timeout=900, env={"RLHFMEM_SIM_CUDA_SDPA": backend})
+        assert result["status"] == "ok", result.get("failure")
+        assert result["capture_description"]["simulated_cuda_device"]["scaled_dot_product_attention"] == backend
+        figures[backend] = printed_figures(result)
+    b, h, t, d = 2, 4, 256, 64
+    eff = figures["efficient"]
+    assert eff["after"] - eff["before"] == b * h * t * d * 2 + b * h * t * 4  # fp16 output, fp32 logsumexp
+    assert figures["math"]["after"] - figures["math"]["before"] > b * h * t * t * 2  # scores (fp16) kept
+    assert all(eff["grads"]) and all(figures["math"]["grads"])
+
+
+def test_sdpa_choice_needs_the_simulated_device(capsys):
+    from pytest_rlhfmem.cli import main
+
+    assert main(["capture", "--device", "cpu", "--sdpa", "efficient", "--", "python", "-c", "pass"]) == 2
+    assert "--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, got " \
+           "--device cpu" in capsys.readouterr().err

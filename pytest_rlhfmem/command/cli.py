@@ -14,7 +14,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
         usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-sim] [--json OUT] "
-              "[--snapshot-dir DIR] [--timeout S] [--id ID] [--cuda-emulation on|off] [--time-rounds N] "
+              "[--sdpa math|efficient] [--snapshot-dir DIR] [--timeout S] [--id ID] [--cuda-emulation on|off] "
+              "[--time-rounds N] "
               "[--keep-work] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
@@ -22,6 +23,10 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--device", default="auto", choices=(*DEVICES, "cuda-sim"),
                    help="auto = CUDA when enough devices, else CPU with the allocator model (simulated); "
                         "cuda-sim = a CUDA script, unchanged, on the simulated CUDA device (no GPU; simulated)")
+    c.add_argument("--sdpa", default=None, choices=("math", "efficient"),
+                   help="with --device cuda-sim: the kernel scaled_dot_product_attention runs (a GPU picks by dtype, "
+                        "head size, mask and architecture): math (the score matrix; default) or efficient "
+                        "(memory-efficient attention: output and logsumexp only)")
     c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     c.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -42,6 +47,7 @@ def _capture(args: argparse.Namespace) -> int:
     from ..timing import run_rounds
     from ..rlhf.cli_run import finish_runs, phase_table
     from .run import CommandError, default_id, plan_command, run_command
+    from ..memory.sim_cuda import ENV_SDPA
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -50,6 +56,10 @@ def _capture(args: argparse.Namespace) -> int:
         raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.time_rounds < 1:
         raise CliError(f"--time-rounds must be a positive integer, got {args.time_rounds}")
+    if args.sdpa is not None and args.device != "cuda-sim":
+        raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, "
+                       f"got --device {args.device}")
+    env = {ENV_SDPA: args.sdpa} if args.sdpa else None
     try:
         ident = args.capture_id or default_id(cmd, plan_command(cmd, args.world_size, args.nproc_per_node)[1])
     except CommandError as exc:
@@ -57,7 +67,7 @@ def _capture(args: argparse.Namespace) -> int:
     def once(snapshot_dir: str | None) -> dict:
         return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                            device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
-                           cuda_emulation=args.cuda_emulation)
+                           cuda_emulation=args.cuda_emulation, env=env)
 
     try:
         result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)

@@ -19,6 +19,10 @@ import os
 import time
 
 ENV_LIBRARY = "RLHFMEM_SIM_CUDA_LIBRARY"  # the built library's path, set by the launcher for every rank
+ENV_SDPA = "RLHFMEM_SIM_CUDA_SDPA"  # scaled_dot_product_attention's backend on the device (SDPA_BACKENDS)
+# SDPBackend's values (torch/nn/attention/__init__.py); a GPU picks by dtype, head size, mask and architecture
+# (sdp_utils.cpp), the simulated device by this setting: math unless set.
+SDPA_BACKENDS = {"math": 0, "efficient": 2}
 BACKEND = "rlhfmem simulated CUDA device (meta kernels, logging allocator; all threads)"
 SCALAR_KINDS = ("bool", "int", "float", "other")
 
@@ -43,7 +47,18 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_scalar_answers.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_set_workspace_bytes.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_set_stream.argtypes = [ctypes.c_int64]
+    lib.rlhfmem_sim_cuda_set_sdp_backend.argtypes = [ctypes.c_int64]
     return lib
+
+
+def sdpa_backend(name: str | None = None) -> str:
+    """The attention backend a run models: ``name``, else ``$RLHFMEM_SIM_CUDA_SDPA``, else ``math``. Raises
+    ``ValueError`` naming the allowed values for any other name."""
+    name = name or os.environ.get(ENV_SDPA) or "math"
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"scaled_dot_product_attention backend {name!r} (${ENV_SDPA}): allowed values are "
+                         f"{', '.join(SDPA_BACKENDS)}")
+    return name
 
 
 def load_before_torch(path: str) -> None:
@@ -71,10 +86,12 @@ class SimCudaRows:
 
     backend = BACKEND
 
-    def __init__(self, workspace_bytes: int | None = None) -> None:
+    def __init__(self, workspace_bytes: int | None = None, sdpa: str | None = None) -> None:
         self.lib = library()
         if workspace_bytes is not None:
             self.lib.rlhfmem_sim_cuda_set_workspace_bytes(int(workspace_bytes))
+        self.sdpa = sdpa_backend(sdpa)
+        self.lib.rlhfmem_sim_cuda_set_sdp_backend(SDPA_BACKENDS[self.sdpa])
         self._start = 0
         self._marks: list[tuple[int, int, int]] = []  # (event index, time_ns, mark index)
         self.streams: dict[int, int] = {}  # address -> stream, for blocks allocated on a side stream
@@ -121,6 +138,7 @@ class SimCudaRows:
         answers = {k: self.lib.rlhfmem_sim_cuda_scalar_answers(i) for i, k in enumerate(SCALAR_KINDS)}
         return {"simulated_cuda_device": {
             "kernels": "meta (outputs' shapes, strides and dtypes; no values)",
+            "scaled_dot_product_attention": self.sdpa,
             "cublas_workspaces": self.lib.rlhfmem_sim_cuda_workspaces(),
             "reduction_staging_buffers": self.lib.rlhfmem_sim_cuda_reduce_stagings(),
             "index_put_sort_buffers": self.lib.rlhfmem_sim_cuda_index_sorts(),

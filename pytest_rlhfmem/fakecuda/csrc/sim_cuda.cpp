@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <ATen/native/transformers/attention.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/FakeGuardImpl.h>
 #include <torch/library.h>
@@ -362,6 +363,10 @@ void sync_mutated(Mapping& m) {
   }
 }
 
+// Returns a CUDA kernel makes on the host: the fused attention kernels' philox seed and offset (attention.cu:
+// at::empty({}, at::dtype(at::kLong)) unless a CUDA graph is being captured); their meta kernels say "meta".
+const std::unordered_set<std::string> kHostReturns = {"philox_seed", "philox_offset"};
+
 void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto n_args = schema.arguments().size();
@@ -378,7 +383,15 @@ void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
                                 "); a GPU run of this op is not simulated");
   }
   const auto n_out = schema.returns().size();
-  for (size_t i = stack->size() - n_out; i < stack->size(); ++i) (*stack)[i] = from_meta((*stack)[i], m);
+  const size_t first_out = stack->size() - n_out;
+  for (size_t i = first_out; i < stack->size(); ++i) {
+    const c10::IValue& v = (*stack)[i];
+    if (v.isTensor() && kHostReturns.count(schema.returns()[i - first_out].name())) {
+      (*stack)[i] = at::empty(v.toTensor().sizes(), v.toTensor().options().device(at::kCPU));
+    } else {
+      (*stack)[i] = from_meta(v, m);
+    }
+  }
   sync_mutated(m);
   kernel_temporaries(schema, args);
 }
@@ -399,6 +412,16 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 }
 
 at::Tensor& copy_(at::Tensor& self, const at::Tensor&, bool) { return self; }  // values are not modelled
+
+// scaled_dot_product_attention's backend: on a GPU, _fused_sdp_choice_cuda (aten/src/ATen/native/transformers/
+// cuda/sdp_utils.cpp) picks by dtype, head size, mask and architecture; here the choice is a setting (SDPBackend's
+// values: 0 math, 1 flash_attention, 2 efficient_attention), math unless set, so a run says which kernels it
+// models. The efficient kernel's allocations are its meta kernels' outputs (output, logsumexp; no score matrix).
+std::atomic<int64_t> g_sdp_backend{0};
+int64_t fused_sdp_choice(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                         double, bool, std::optional<double>, bool) {
+  return g_sdp_backend.load();
+}
 
 struct SimCUDAHooks final : public at::CUDAHooksInterface {
   explicit SimCUDAHooks(at::CUDAHooksArgs) {}
@@ -427,11 +450,16 @@ TORCH_LIBRARY_IMPL(_, CUDA, m) { m.fallback(torch::CppFunction::makeFromBoxedFun
 TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
   m.impl("copy_", TORCH_FN(copy_));
+  m.impl("_fused_sdp_choice", TORCH_FN(fused_sdp_choice));
 }
 
 namespace {
 struct RegisterAllocator {
-  RegisterAllocator() { c10::SetAllocator(c10::DeviceType::CUDA, &g_allocator, /*priority=*/100); }
+  RegisterAllocator() {
+    c10::SetAllocator(c10::DeviceType::CUDA, &g_allocator, /*priority=*/100);
+    // scaled_dot_product_attention asks this DispatchStub, not the op, and a CPU build registers no CUDA kernel
+    at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&fused_sdp_choice);
+  }
 } g_register_allocator;
 }  // namespace
 
@@ -440,6 +468,8 @@ extern "C" {
 int rlhfmem_sim_cuda_loaded() { return 1; }
 void rlhfmem_sim_cuda_set_workspace_bytes(int64_t n) { g_workspace_bytes = n; }
 void rlhfmem_sim_cuda_set_stream(int64_t s) { t_stream = s; }
+void rlhfmem_sim_cuda_set_sdp_backend(int64_t b) { g_sdp_backend = b; }
+int64_t rlhfmem_sim_cuda_sdp_backend() { return g_sdp_backend.load(); }
 int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
 int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
 int64_t rlhfmem_sim_cuda_reduce_stagings() { return g_reduce_staging.load(); }

@@ -24,12 +24,13 @@ def _replay(args: argparse.Namespace) -> int:
 
     reader = None
     try:
-        config = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf is not None else None
+        version = args.torch_version
+        config = AllocatorConfig.parse(args.alloc_conf, version) if args.alloc_conf is not None else None
         # an .rlhftrace file (replay_engine.py) or a snapshot pickle (the compiled snapshot reader), as columns
         if is_trace_file(args.snapshot):
-            trace, recorded_config = load_columns_for_replay(args.snapshot, args.device)
+            trace, recorded_config = load_columns_for_replay(args.snapshot, args.device, version)
         else:
-            trace, recorded_config, reader = snapshot_columns_for_replay(args.snapshot, args.device)
+            trace, recorded_config, reader = snapshot_columns_for_replay(args.snapshot, args.device, version)
             if "unavailable" in reader:
                 print(f"rlhfmem: note: {reader[len('python ('):-1]}; the pickle was read in Python", file=sys.stderr)
         config = config or recorded_config
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--alloc-conf", default=None, metavar="STR",
                    help="PYTORCH_CUDA_ALLOC_CONF to replay under (default: the recorded settings)")
     r.add_argument("--device", type=int, default=None, help="device index (default: the device with most events)")
+    r.add_argument("--torch-version", default=None, metavar="X.Y",
+                   help="the PyTorch whose allocator behaviours to model (2.8-2.10 differ: docs/allocator-model.md); "
+                        "default: read from the snapshot's allocator_settings, else the newest modelled")
     r.add_argument("--device-memory-gib", type=float, default=None,
                    help="device capacity (default: inferred from the trace's oom entries, else unlimited)")
     r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")

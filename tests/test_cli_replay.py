@@ -63,6 +63,7 @@ def test_trace_without_segment_events_says_agreement_unavailable(tmp_path):
         (pickle.dumps({"not": "a snapshot"}), [], "not a torch.cuda.memory._snapshot() pickle"),
         (pickle.dumps(RunsCode()), [], "system; memory snapshots hold only builtins"),
         (None, ["--alloc-conf", "nonsense_key:3"], "unknown alloc-conf key 'nonsense_key'"),
+        (None, ["--torch-version", "banana"], "torch version 'banana': expected 'major.minor[.patch]'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, content, args, fragment):
@@ -193,3 +194,12 @@ def test_a_recorded_oom_in_pytorchs_layout_gives_the_capacity(tmp_path):
         assert out["capacity"] == 150 * mib and out["capacity_source"] == "inferred from the trace's oom entries"
         sim = out["simulated"]
         assert (sim["ooms"], sim["alloc_retries"], sim["peak_reserved"]) == (1, 1, 120 * mib)
+
+
+@pytest.mark.parametrize("version", ["2.8", "2.10.0+cu128"])
+def test_torch_version_option_selects_the_behaviours_and_says_so(version):
+    p = rlhfmem("replay", str(shared_snapshot("slime_init_b")), "--torch-version", version, "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert (out["torch_version"], out["torch_version_source"]) == (".".join(version.split(".")[:2]), "given")
+    assert out["agreement"]["segment_allocs_matching"] == out["agreement"]["segment_allocs_recorded"] == 422

@@ -45,11 +45,11 @@ def study_scenario(strategy: str, flush: str, models: str = "opt-1.3b", override
 
 
 def run_strategy(strategy: str, out: Path, models: str, overrides: dict, timeout: float,
-                 tensors: str = "sim") -> dict[str, dict]:
+                 tensors: str = "sim", sdpa: str | None = None) -> dict[str, dict]:
     sc = study_scenario(strategy, "after-inference", models, overrides)
     t0 = time.perf_counter()
     try:
-        res = run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout, tensors=tensors)
+        res = run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout, tensors=tensors, sdpa=sdpa)
     except FakeCudaRunError as exc:
         res = {sc.id: {"status": "failed", "error": {"message": str(exc)[-2000:]}}}
     r = res.get(sc.id, {})
@@ -166,11 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", choices=("sim", "fake"), default="sim",
                     help="sim: the simulated CUDA device (fakecuda/csrc/sim_cuda.cpp; default, several times "
                          "faster); fake: FakeTensorMode with the dispatcher recorder (the route's first form)")
+    ap.add_argument("--sdpa", choices=("math", "efficient"), default=None,
+                    help="--tensors sim only: the attention kernel modelled (math keeps the score matrix, the "
+                         "default; efficient: memory-efficient attention's output and logsumexp). Results are named "
+                         "by scenario id: give each setting its own --out")
     ap.add_argument("--timeout", type=float, default=7200.0)
     ap.add_argument("--from", dest="from_dirs", default=None,
                     help="comma-separated result directories of earlier runs: print their table, run nothing")
     args = ap.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
+    if args.sdpa and args.tensors != "sim":
+        print("rlhfmem: error: --sdpa chooses the simulated CUDA device's attention kernel: it needs --tensors sim",
+              file=sys.stderr)
+        return 2
     unknown = [s for s in strategies if s not in STUDY]
     if unknown:
         print(f"rlhfmem: error: --strategies: unknown {', '.join(unknown)}; valid: {', '.join(STUDY)}", file=sys.stderr)
@@ -191,14 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         print(times(results, strategies, args.models, overrides))
         return 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout, args.tensors),
-                            strategies):
+        for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout, args.tensors,
+                                                   args.sdpa), strategies):
             results.update(res)
     (out / "summary.json").write_text(json.dumps(
         {k: {kk: v.get(kk) for kk in ("status", "total", "peak_phase", "phases", "process_wall_s", "host_rss_peak",
                                       "adjustments", "placement", "recipe")} for k, v in results.items()}, indent=1))
-    print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}, {args.tensors} tensors: "
-          "SIMULATED (the recorded device trace replayed through the allocator model), GiB")
+    print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}, {args.tensors} tensors"
+          f"{', attention ' + args.sdpa if args.sdpa else ''}: SIMULATED (the recorded device trace replayed through "
+          "the allocator model), GiB")
     print(table(results, strategies, args.models, overrides))
     print(phase_table(results, strategies, args.models, overrides))
     print(findings(results, args.models, overrides))

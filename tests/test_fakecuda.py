@@ -127,3 +127,14 @@ def test_ema_keeps_a_fifth_model_and_updates_it_after_training(tmp_path):
     assert on["recipe"]["ema"] is True and [p["phase"] for p in on["phases"]][-1] == "ema"
     init = lambda r: next(p for p in r["phases"] if p["phase"] == "init")  # noqa: E731
     assert init(on)["peak_allocated"] > init(off)["peak_allocated"]  # the fifth model's partition
+
+
+def test_simulated_device_models_the_memory_efficient_attention_kernel(tmp_path):
+    """``sdpa="efficient"``: the simulated device answers scaled_dot_product_attention's backend choice with
+    memory-efficient attention (output and logsumexp, no score matrix); the result names the kernel."""
+    sc = Scenario("deepspeed-chat", "tiny-opt", "none", "none", 2)
+    r = run_fake_cuda(sc, work_dir=tmp_path, timeout=900, tensors="sim", sdpa="efficient")[sc.id]
+    assert r["status"] == "ok", r.get("error")
+    assert r["capture_description"]["simulated_cuda_device"]["scaled_dot_product_attention"] == "efficient"
+    with pytest.raises(ValueError, match="needs tensors='sim'"):
+        run_fake_cuda(sc, work_dir=tmp_path, tensors="fake", sdpa="efficient")

@@ -26,11 +26,13 @@ class FakeCudaRunError(RuntimeError):
 
 def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TIMEOUT_S,
                   work_dir: str | Path | None = None, without_flush: bool = False,
-                  keep_work: bool = False, tensors: str = "fake") -> dict[str, dict]:
+                  keep_work: bool = False, tensors: str = "fake", sdpa: str | None = None) -> dict[str, dict]:
     """Run ``scenario`` (deepspeed-chat) as rank ``rank`` on the fake-CUDA route.
 
     ``tensors``: ``fake`` (``FakeTensorMode`` and the dispatcher recorder) or ``sim`` (the simulated CUDA
-    device of ``fakecuda/csrc/sim_cuda.cpp``: meta kernels in C++, several times less CPU time).
+    device of ``fakecuda/csrc/sim_cuda.cpp``: meta kernels in C++, several times less CPU time). ``sdpa``
+    (``sim`` only): the attention kernel the device models, ``math`` (default: the score matrix is kept) or
+    ``efficient`` (memory-efficient attention: output and logsumexp); the result's ``capture_description`` names it.
 
     Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
     without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
@@ -52,6 +54,13 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
         cmd += ["--without-flush-out", str(plain_out)]
     env = dict(os.environ, DS_ACCELERATOR="cuda", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS=str(scenario.get("threads", 1)), PYTHONUNBUFFERED="1")
+    if sdpa is not None:
+        if tensors != "sim":
+            raise ValueError(f"sdpa={sdpa!r} chooses the simulated CUDA device's attention kernel: "
+                             "it needs tensors='sim'")
+        from ..memory.sim_cuda import ENV_SDPA, sdpa_backend
+
+        env[ENV_SDPA] = sdpa_backend(sdpa)
     log = work / f"{name}.log"
     t0 = time.perf_counter()
     with open(log, "wb") as fh:

@@ -154,6 +154,11 @@ def test_memory_efficient_attention_keeps_output_and_logsumexp_not_the_score_mat
     eff = figures["efficient"]
     assert eff["after"] - eff["before"] == b * h * t * d * 2 + b * h * t * 4  # fp16 output, fp32 logsumexp
     assert figures["math"]["after"] - figures["math"]["before"] > b * h * t * t * 2  # scores (fp16) kept
+    # backward (attention_backward.cu, kernel_backward.h): the sum's fp16 result and its root gradient (512 B
+    # blocks), grad_out made contiguous (an expanded gradient), grad_q/k/v, delta (B, H, T) fp32 and the 64x64
+    # kernel's fp32 grad_q workspace B * H * ceil(T / 64) * 16,400 B
+    qkv = b * h * t * d * 2
+    assert eff["peak"] - eff["after"] == 2 * 512 + qkv + 3 * qkv + b * h * t * 4 + b * h * (t // 64) * 16_400
     assert all(eff["grads"]) and all(figures["math"]["grads"])
 
 

@@ -44,6 +44,8 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_workspaces.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_reduce_stagings.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_index_sorts.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_attention_backwards.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_attention_backwards_unmodelled.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_scalar_answers.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_set_workspace_bytes.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_set_stream.argtypes = [ctypes.c_int64]
@@ -139,6 +141,11 @@ class SimCudaRows:
         return {"simulated_cuda_device": {
             "kernels": "meta (outputs' shapes, strides and dtypes; no values)",
             "scaled_dot_product_attention": self.sdpa,
+            # memory-efficient attention backwards: delta and workspace made (head dim <= 64), and those whose
+            # workspace is not modelled (head dim > 64)
+            "efficient_attention_backwards": self.lib.rlhfmem_sim_cuda_attention_backwards(),
+            "efficient_attention_backward_workspaces_not_modelled":
+                self.lib.rlhfmem_sim_cuda_attention_backwards_unmodelled(),
             "cublas_workspaces": self.lib.rlhfmem_sim_cuda_workspaces(),
             "reduction_staging_buffers": self.lib.rlhfmem_sim_cuda_reduce_stagings(),
             "index_put_sort_buffers": self.lib.rlhfmem_sim_cuda_index_sorts(),

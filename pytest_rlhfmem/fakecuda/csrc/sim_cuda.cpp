@@ -215,8 +215,41 @@ std::pair<int64_t, int64_t> reduce_staging(const at::Tensor& in, c10::OptionalAr
 const std::unordered_set<std::string> kStagedReductions = {"aten::sum", "aten::mean"};
 
 // What a CUDA kernel allocates and frees inside itself, after its outputs exist.
+// Memory-efficient attention's backward (_scaled_dot_product_efficient_attention_backward_cuda ->
+// _efficient_attention_backward, aten/src/ATen/native/transformers/cuda/attention_backward.cu at 1e07335b, and
+// mem_eff_attention/kernel_backward.h): grad_out, transposed to (B, T, H, D), is copied when not contiguous
+// (freed at return); after grad_q/k/v, `delta` (B, H, T) fp32 (freed when the launch returns) and the kernel's
+// fp32 workspace: for head dim <= 64 on sm80-sm89 (the 64x64 k64 kernel: grad_q accumulates in global memory,
+// grad_k/v in registers) B * H * ceil(T/64) * ceil(D/64) * 16,400 B (GradQTempStorage: a 64x64 fp32 tile and
+// 16 B). Larger head dims take kernels whose grad_k/v workspace is not modelled: counted, not invented.
+constexpr const char* kEfficientAttentionBackward = "aten::_scaled_dot_product_efficient_attention_backward";
+std::atomic<int64_t> g_attention_backwards{0};
+std::atomic<int64_t> g_attention_backwards_unmodelled{0};
+
+c10::DataPtr pre_op_temporaries(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
+  if (schema.name() == kEfficientAttentionBackward && !args.empty() && args[0].isTensor()) {
+    const at::Tensor& grad_out = args[0].toTensor();
+    if (grad_out.dim() == 4 && !grad_out.transpose(1, 2).is_contiguous())
+      return g_allocator.allocate(static_cast<size_t>(grad_out.numel() * grad_out.element_size()));
+  }
+  return c10::DataPtr();
+}
+
+void attention_backward_temporaries(const std::vector<c10::IValue>& args) {
+  if (args.size() < 2 || !args[1].isTensor() || args[1].toTensor().dim() != 4) return;
+  const at::Tensor& query = args[1].toTensor();  // (B, H, T, D)
+  const int64_t b = query.size(0), h = query.size(1), t = query.size(2), d = query.size(3);
+  g_attention_backwards++;
+  auto delta = g_allocator.allocate(static_cast<size_t>(b * h * t * 4));
+  if (d > 64) { g_attention_backwards_unmodelled++; return; }
+  const int64_t grad_q_floats = ((t + 63) / 64) * ((d + 63) / 64) * (16400 / 4);
+  c10::DataPtr workspace = g_allocator.allocate(static_cast<size_t>(b * h * ((grad_q_floats + 3) / 4 * 4) * 4));
+  delta = c10::DataPtr();  // the launch's local, freed before the workspace
+}
+
 void kernel_temporaries(const c10::FunctionSchema& schema, const std::vector<c10::IValue>& args) {
   const std::string& name = schema.name();
+  if (name == kEfficientAttentionBackward) { attention_backward_temporaries(args); return; }
   if (kStagedReductions.count(name) && !args.empty() && args[0].isTensor() && is_cuda(args[0].toTensor())) {
     c10::OptionalArrayRef<int64_t> dims;
     std::vector<int64_t> dv;
@@ -374,6 +407,7 @@ void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
   Mapping m;
   for (size_t i = stack->size() - n_args; i < stack->size(); ++i) (*stack)[i] = to_meta((*stack)[i], m);
   if (kCublasOps.count(schema.name())) cublas_workspace();  // before the output: what the recordings show
+  c10::DataPtr before_outputs = pre_op_temporaries(schema, args);  // freed after the kernel's own temporaries
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
   } catch (const std::exception& e) {  // no meta kernel, or an output shape that depends on values
@@ -474,6 +508,8 @@ int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
 int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
 int64_t rlhfmem_sim_cuda_reduce_stagings() { return g_reduce_staging.load(); }
 int64_t rlhfmem_sim_cuda_index_sorts() { return g_index_sort.load(); }
+int64_t rlhfmem_sim_cuda_attention_backwards() { return g_attention_backwards.load(); }
+int64_t rlhfmem_sim_cuda_attention_backwards_unmodelled() { return g_attention_backwards_unmodelled.load(); }
 int64_t rlhfmem_sim_cuda_scalar_answers(int kind) { return kind >= 0 && kind < 4 ? g_scalar_answers[kind].load() : -1; }
 // Copy events [start, start + cap) into the caller's arrays; returns how many were copied.
 int64_t rlhfmem_sim_cuda_events(int64_t start, int64_t cap, int64_t* action, uint64_t* addr, int64_t* size,

@@ -11,9 +11,30 @@ Budgets gate the traffic and the staging bytes. Device figures are simulated (CP
 model).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from pytest_rlhfmem.rlhf.scenario import Scenario
+from pytest_rlhfmem.rlhf.launch import require_libaio
+from pytest_rlhfmem.rlhf.scenario import Scenario, ScenarioError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _async_io_op_built():
+    """Build DeepSpeed's async I/O op (JIT, into torch's extension cache) the way the swappers load it, before
+    the scenarios and outside their 15-min timeout: in a fresh tox environment the ranks of the first run built
+    it themselves, and on 2 loaded cores that outlasted the timeout (tiny OPT, 2026-11-24). Without libaio
+    nothing is built: the scenario's own one-line refusal says what to install."""
+    try:
+        require_libaio()
+    except ScenarioError:
+        return
+    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import AsyncIOBuilder\n"
+                    "AsyncIOBuilder().load(verbose=False)"], env=env, check=True, timeout=3600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 @pytest.mark.matrix("nvme_cpu")

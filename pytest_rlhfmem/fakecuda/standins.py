@@ -276,7 +276,48 @@ def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
     names.append("Tensor.__repr__ of device tensors: no values (DeepSpeed formats tensors into log strings)")
     _patch_generation()
     names.append("generate: stops after max_new_tokens steps")
+    _skip_host_weight_init()
+    names.append("weight initialisation of host tensors skipped (values never read; tying kept)")
     return names + _install_deepspeed()
+
+
+HOST_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                       "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                       "sparse_")
+
+
+def _skip_host_weight_init() -> None:
+    """On the simulated device a model built on the host (``from_config`` before DeepSpeed moves it) is real
+    memory, and its random initialisation real compute: 12.4 s of CPU per OPT-1.3b here, and its fp32 pages
+    (5.62 GiB peak RSS against 2.97 without). No value is ever read (device kernels compute none; host values
+    only feed the offloaded optimizer's arithmetic), so ``torch.nn.init``'s functions return a host tensor
+    unchanged and transformers' per-module ``_initialize_weights`` skips modules whose own parameters are all
+    on the host. Device tensors (ZeRO-3's ``zero.Init`` builds on the device) are initialised as before, and
+    ``init_weights``' weight tying is untouched."""
+    import torch.nn.init as tinit
+    from transformers.modeling_utils import PreTrainedModel
+
+    for name in HOST_INIT_FUNCTIONS:
+        original = getattr(tinit, name, None)
+        if original is None:
+            continue
+
+        def init(tensor: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                return tensor
+            return _original(tensor, *args, **kwargs)
+
+        init.__name__ = name
+        setattr(tinit, name, init)
+    original_module_init = PreTrainedModel._initialize_weights
+
+    def _initialize_weights(self: Any, module: Any, is_custom_code: bool = False) -> None:
+        own = list(module.parameters(recurse=False))
+        if own and all(p.device.type == "cpu" for p in own):
+            return
+        original_module_init(self, module, is_custom_code)
+
+    PreTrainedModel._initialize_weights = _initialize_weights
 
 
 _SIM_LIB: Any = None

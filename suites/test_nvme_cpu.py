@@ -43,9 +43,9 @@ def test_zero_infinity_within_budget_and_moves_memory_to_storage(scenario, itera
     cpu = iteration_result(Scenario(scenario.framework, scenario.models, "zero3-offload", "none", 2))
     assert nvme.simulated and nvme.ok
     m, c = nvme.metrics, cpu.metrics
-    # the device holds what it holds under CPU offload, within 1 MiB (measured: +2,048 B on tiny OPT, +0.85 MiB on
-    # OPT-125m, whose peak is in another training phase)
-    assert m["peak_allocated"] <= c["peak_allocated"] + (1 << 20)
+    # the device holds what it holds under CPU offload, within 1% + 1 MiB (measured: +2,048 B on tiny OPT; OPT-125m,
+    # whose peak is in another training phase, 754.11-757.13 MiB against 753.84-755.22 MiB over three runs each)
+    assert m["peak_allocated"] <= c["peak_allocated"] * 1.01 + (1 << 20)
     # the swap goes to storage: written at init (partitions swapped out) and read back in the iteration
     assert m["storage_write_bytes"] > 0 and m["storage_read_bytes"] > 0
     assert c["storage_write_bytes"] < m["storage_write_bytes"]

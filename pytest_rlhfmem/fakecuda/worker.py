@@ -26,6 +26,7 @@ from pathlib import Path
 
 TENSORS = ("fake", "sim")
 POLICY_FLUSH = "after-"  # rlhf/common.py maybe_flush: the flush policy's FLUSH marks are "after-<phase>"
+ENV_SAVE_TRACE = "RLHFMEM_FAKECUDA_SAVE_TRACE"  # set: write each run's trace beside its result (.rlhftrace)
 
 
 def _sim_adjustments(result: dict) -> dict:
@@ -154,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "standins", "live_by_site_at_phase_end", "startup_s", "iteration_cpu_s",
                                     "process_cpu_s", "host_rss_peak")}
     _write(Path(args.out), result)
+    if os.environ.get(ENV_SAVE_TRACE):  # the trace beside the result, for replays of it (rlhfmem replay)
+        from ..memory.trace_io import save_trace
+
+        save_trace(Path(args.out).with_suffix(".rlhftrace"), trace)
     if args.without_flush_out:
         from ..memory.trace import FLUSH, Trace
 

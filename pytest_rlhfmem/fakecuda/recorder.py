@@ -106,6 +106,22 @@ class _StreamState(threading.local):
     stream: int = 0  # the current stream id of this thread (0 = the default stream)
 
 
+def count_placement(placement: dict[str, int], tensors: Iterable) -> None:
+    """Add the bytes of ``tensors`` the recipe declares host-resident to ``placement``, by where they are:
+    ``annotated_host_bytes_on_cpu`` (as on a GPU machine) or ``annotated_host_bytes_on_cuda`` (the recipe and
+    DeepSpeed disagree). A storage shared by several tensors counts once; ``None`` entries are skipped."""
+    seen: set[int] = set()
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if id(st) in seen:
+            continue
+        seen.add(id(st))
+        key = "annotated_host_bytes_on_cuda" if t.device.type == "cuda" else "annotated_host_bytes_on_cpu"
+        placement[key] += st.nbytes()
+
+
 @dataclass
 class FakeCudaRecorder:
     """The recipe's ``rec`` for a fake-CUDA run: same interface as ``memory.capture.Recorder``.
@@ -275,16 +291,7 @@ class FakeCudaRecorder:
         self.events.append(Event(FLUSH, 0, 0, 0, self._now(), point))
 
     def _placement(self, tensors: Iterable) -> None:
-        seen: set[int] = set()
-        for t in tensors:
-            if t is None:
-                continue
-            st = t.untyped_storage()
-            if id(st) in seen:
-                continue
-            seen.add(id(st))
-            key = "annotated_host_bytes_on_cuda" if t.device.type == "cuda" else "annotated_host_bytes_on_cpu"
-            self.placement[key] += st.nbytes()
+        count_placement(self.placement, tensors)
 
     def host_resident(self, tensors: Iterable) -> None:
         tensors = list(tensors)
@@ -345,16 +352,7 @@ def sim_device_recorder(on_phase: object = None):
         scalar_answers: dict[str, dict] = field(default_factory=dict)  # call site -> {op, dtype, answer, count}
 
         def host_resident(self, tensors: Iterable) -> None:
-            seen: set[int] = set()
-            for t in tensors:
-                if t is None:
-                    continue
-                st = t.untyped_storage()
-                if id(st) in seen:
-                    continue
-                seen.add(id(st))
-                key = "annotated_host_bytes_on_cuda" if t.device.type == "cuda" else "annotated_host_bytes_on_cpu"
-                self.placement[key] += st.nbytes()
+            count_placement(self.placement, tensors)
             self.host_bytes_annotated = self.placement["annotated_host_bytes_on_cpu"]
 
         def moved_to_host(self, tensors: Iterable) -> None:

@@ -503,7 +503,6 @@ int rlhfmem_sim_cuda_loaded() { return 1; }
 void rlhfmem_sim_cuda_set_workspace_bytes(int64_t n) { g_workspace_bytes = n; }
 void rlhfmem_sim_cuda_set_stream(int64_t s) { t_stream = s; }
 void rlhfmem_sim_cuda_set_sdp_backend(int64_t b) { g_sdp_backend = b; }
-int64_t rlhfmem_sim_cuda_sdp_backend() { return g_sdp_backend.load(); }
 int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
 int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
 int64_t rlhfmem_sim_cuda_reduce_stagings() { return g_reduce_staging.load(); }

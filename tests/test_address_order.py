@@ -3,7 +3,8 @@
 import pytest
 
 from pytest_rlhfmem.memory.address_order import address_order_spread
-from pytest_rlhfmem.memory.events import ALLOC, FREE, POOL_ENTER, Event, Trace
+from pytest_rlhfmem.memory.events import ALLOC, FREE, POOL_ENTER, SEGMENT_ALLOC, SEGMENT_FREE, Event, Trace
+from pytest_rlhfmem.memory.replay import FREE_RUNNING, replay
 
 MiB = 2**20
 
@@ -26,6 +27,20 @@ def test_the_peak_reserved_of_one_sequence_depends_on_where_new_segments_land():
     assert (spread["peak_reserved"]["min"], spread["peak_reserved"]["max"]) == (36 * MiB, 56 * MiB)
     assert spread["model_order_share"] == counts[56 * MiB] / 16
     assert address_order_spread(two_equal_free_blocks_then_a_large_request(), orders=16, seed=0) == spread
+
+
+def test_the_model_order_is_the_free_running_replay_recorded_empty_cache_included():
+    """Each order is ``python_engine.replay_python``'s free-running replay: a recorded ``segment_free`` batch
+    no cudaMalloc follows is a user's ``empty_cache()`` and is replayed, so the 16 MiB segment is gone when
+    the 32 MiB one is made (peak reserved 2 + 32 MiB, not 16 + 2 + 32)."""
+    seq = [(SEGMENT_ALLOC, 1 << 40, 16 * MiB), (ALLOC, 1 << 40, 16 * MiB), (SEGMENT_ALLOC, 2 << 40, 2 * MiB),
+           (ALLOC, 2 << 40, 512), (FREE, 1 << 40, 16 * MiB), (SEGMENT_FREE, 1 << 40, 16 * MiB),
+           (FREE, 2 << 40, 512), (SEGMENT_ALLOC, 3 << 40, 32 * MiB), (ALLOC, 3 << 40, 32 * MiB)]
+    trace = Trace(events=[Event(action, addr, size) for action, addr, size in seq], source="hand-built")
+    spread = address_order_spread(trace, orders=4, seed=0)
+    assert spread["model_order"]["peak_reserved"] == replay(trace, mode=FREE_RUNNING).total.peak_reserved \
+        == 34 * MiB
+    assert spread["peak_reserved"]["counts"] == {34 * MiB: 4}
 
 
 def test_orders_below_one_and_pools_are_refused_naming_them():

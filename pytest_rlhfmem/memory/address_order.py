@@ -16,52 +16,48 @@ never depends on addresses. Measured on the CS336 medium training step captured 
 event for event): the model's order gives 9,223,274,496 B, the GPU recorded 9,265,217,536 B, and 30 random
 orders gave 9,181,331,456 (4), 9,223,274,496 (12), 9,227,468,800 (2), 9,265,217,536 (11) and 9,302,966,272 (1).
 
-The replay here is the Python model over allocations, frees and ``empty_cache`` points only (what captures
-hold); a trace with private pools, expandable segments or recorded OOMs is refused with a
-:class:`ValueError` naming what it holds.
+Each replay is :func:`~.python_engine.replay_python`'s, free-running (the model's order gives the peak
+reserved of ``rlhfmem replay --free-running``), with a placement hook for the new segments
+(``address_for_new_segment``). It is given only traces of allocations, frees and ``empty_cache`` points (what
+captures hold; in a recorded snapshot, a ``segment_free`` batch that was not a retry's): a trace with private
+pools, expandable segments or recorded OOMs is refused with a :class:`ValueError` naming what it holds.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 
-from .allocator import AllocatorConfig, Block, CachingAllocatorModel
+from .allocator import AllocatorConfig
 from .events import ALLOC, FLUSH, FREE, PHASE, PHASE_END, SEGMENT_ACTIONS, Trace
+from .python_engine import replay_python
+from .replay_types import FREE_RUNNING
 
 SUPPORTED = (ALLOC, FREE, FLUSH, PHASE, PHASE_END, *SEGMENT_ACTIONS)
 
 
-def _peak_reserved(trace: Trace, config: AllocatorConfig, rng: random.Random | None) -> tuple[int, int]:
-    """(peak reserved, peak allocated) bytes of ``trace`` replayed free-running; new segments at increasing
-    addresses (``rng`` None: the model's own rule) or at ``rng``'s random ones."""
-    model = CachingAllocatorModel(config)
-    for seg in trace.initial_segments:
-        model.import_segment(seg.address, seg.total_size, seg.stream, seg.is_small, seg.live_blocks,
-                             pool_id=seg.pool_id)
-    if rng is not None:
-        count = [0]
+def random_placement(rng: random.Random) -> Callable[[int | None], int | None]:
+    """A ``replay_python`` ``address_for_new_segment`` hook placing each new segment at a random address from
+    ``rng``: 32 random high bits order the segments, a count in the bits below keeps every address distinct.
+    ``None`` (the model's own placement) for an expandable segment."""
+    count = 0
 
-        def random_address(size: int | None) -> int | None:
-            count[0] += 1  # random high bits order the segments; the count keeps every address distinct
-            return None if size is None else (rng.getrandbits(32) << 64) + (count[0] << 48)
+    def address(size: int | None) -> int | None:
+        nonlocal count
+        count += 1
+        return None if size is None else (rng.getrandbits(32) << 64) + (count << 48)
 
-        model.address_for_new_segment = random_address
-    st = model.stats
-    live: dict[int, Block] = {}
-    peak_reserved, peak_allocated = st.reserved_bytes, st.allocated_bytes
-    for ev in trace.events:
-        if ev.action == ALLOC:
-            live[ev.addr] = model.malloc(ev.size, ev.stream)
-        elif ev.action == FREE:
-            block = live.pop(ev.addr, None) or model.active_blocks.get(ev.addr)
-            if block is not None:
-                model.free(block)
-        elif ev.action == FLUSH:
-            model.empty_cache()
-        peak_reserved = max(peak_reserved, st.reserved_bytes)
-        peak_allocated = max(peak_allocated, st.allocated_bytes)
-    return peak_reserved, peak_allocated
+    return address
+
+
+def _peaks(trace: Trace, config: AllocatorConfig, placement: Callable[[int | None], int | None] | None
+           ) -> tuple[int, int]:
+    """(peak reserved, peak allocated) bytes of ``trace`` replayed free-running, new segments placed by
+    ``placement`` (None: the model's own rule, each above the previous one)."""
+    total = replay_python(trace, config, FREE_RUNNING, None, False, False, "address orders",
+                          address_for_new_segment=placement).total
+    return total.peak_reserved, total.peak_allocated
 
 
 def address_order_spread(trace: Trace, orders: int = 16, seed: int = 0,
@@ -85,9 +81,9 @@ def address_order_spread(trace: Trace, orders: int = 16, seed: int = 0,
     if other:
         raise ValueError(f"{trace.source or 'trace'}: holds {', '.join(other)} events; the address-order "
                          f"replay follows only {', '.join(SUPPORTED)}")
-    model_reserved, model_allocated = _peak_reserved(trace, config, None)
+    model_reserved, model_allocated = _peaks(trace, config, None)
     rng = random.Random(seed)
-    counts = Counter(_peak_reserved(trace, config, rng)[0] for _ in range(orders))
+    counts = Counter(_peaks(trace, config, random_placement(rng))[0] for _ in range(orders))
     return {"orders": orders, "seed": seed,
             "model_order": {"peak_reserved": model_reserved, "peak_allocated": model_allocated},
             "peak_reserved": {"min": min(counts), "max": max(counts), "counts": dict(sorted(counts.items()))},

@@ -12,6 +12,8 @@ event, is a ``release_cached_blocks`` (a user's ``torch.cuda.empty_cache()``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
 from .events import (
     ALLOC, FLUSH, FREE, OOM, PHASE, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
@@ -46,10 +48,16 @@ def with_flush_events(trace: Trace, positions: list[int] | tuple[int, ...], name
 
 
 def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: int | None, record_series: bool,
-                  record_events: bool, engine_reason: str) -> ReplayResult:
+                  record_events: bool, engine_reason: str,
+                  address_for_new_segment: Callable[[int | None], int | None] | None = None) -> ReplayResult:
     """Replay ``trace`` through :class:`~.allocator.CachingAllocatorModel`, event by event, in ``mode``
     (``replay.replay``'s docstring says what the modes and arguments mean); ``engine_reason`` is recorded
-    in the result. Raises :class:`~.replay_types.ReplayError` for a trace the model cannot follow."""
+    in the result. Raises :class:`~.replay_types.ReplayError` for a trace the model cannot follow.
+
+    ``address_for_new_segment``, free-running only: the device address of each new segment, i.e. the pointer
+    ``cudaMallocMaybeCapturing`` hands ``alloc_block`` (the driver's choice), called with the cudaMalloc size
+    in bytes (``None`` for an expandable segment's virtual base); ``None`` from it, or no hook, places the
+    segment above the model's previous one. Anchored mode takes the recorded addresses instead."""
     capacity_source = "given" if capacity is not None else "unlimited"
     if capacity is None:
         capacity = infer_capacity(trace)
@@ -119,8 +127,7 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
     model.on_segment_free = on_segment_free
     model.on_segment_map = on_segment_map
     model.on_segment_unmap = on_segment_unmap
-    if anchored:
-        model.address_for_new_segment = anchor
+    model.address_for_new_segment = anchor if anchored else address_for_new_segment
     release_batches = recorded_release_batches(events)
     retry_allocs: set[int] = set()
 

@@ -138,3 +138,18 @@ def test_simulated_device_models_the_memory_efficient_attention_kernel(tmp_path)
     assert r["capture_description"]["simulated_cuda_device"]["scaled_dot_product_attention"] == "efficient"
     with pytest.raises(ValueError, match="needs tensors='sim'"):
         run_fake_cuda(sc, work_dir=tmp_path, tensors="fake", sdpa="efficient")
+
+
+def test_the_hybrid_engine_runs_as_deepspeeds_own_on_the_fake_route(tmp_path):
+    """The Hybrid Engine on the simulated CUDA device: DeepSpeed's ``DeepSpeedHybridEngine`` with the
+    ``transformer_inference`` op standing in without kernels (``standins._install_hybrid_engine``); it injects
+    nothing into OPT, and under ZeRO-3 its ``eval()`` flushes before generation (``hybrid_engine.py``)."""
+    sc = {he: Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 4, {"hybrid_engine": he}) for he in (True, False)}
+    res = {he: run_fake_cuda(s, work_dir=tmp_path / str(he), timeout=900, tensors="sim")[s.id] for he, s in sc.items()}
+    assert all(r["status"] == "ok" for r in res.values()), [r.get("error") for r in res.values()]
+    assert res[True]["recipe"]["hybrid_engine"] == "DeepSpeedHybridEngine"
+    assert any(s.startswith("Hybrid Engine:") for s in res[True]["standins"])
+    he = [f for f in res[True]["flushes"] if f["name"].startswith("empty_cache@hybrid_engine.py:")]
+    assert len(he) == 1 and he[0]["phase"] == "init"
+    assert len(res[True]["flushes"]) == len(res[False]["flushes"]) + 1
+

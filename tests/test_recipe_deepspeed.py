@@ -68,7 +68,11 @@ def test_flush_frees_no_tensor_and_frees_segments_only_at_the_policy_points(run)
     base = results["none"]["ranks"][0]["requested_at_phase_end"]
     for flush, r in results.items():
         for rank in r["ranks"]:
-            assert [f["name"] for f in rank["flushes"]] == expected[flush]
+            # DeepSpeed's own empty_cache() calls (ZeRO-2's flattening, stage_1_and_2.py) are recorded too, in init
+            own = [f for f in rank["flushes"] if f["name"].startswith("empty_cache@")]
+            assert own and {f["phase"] for f in own} == {"init"}
+            assert all(f["name"].startswith("empty_cache@stage_1_and_2.py:") for f in own), own
+            assert [f["name"] for f in rank["flushes"] if f not in own] == expected[flush]
             assert rank["cuda_frees_outside_flushes"] == 0  # no cudaFree but at a flush
             for f in rank["flushes"]:
                 assert f["requested_before"] == f["requested_after"]  # a flush frees no tensor
@@ -100,3 +104,44 @@ def test_value_heads_fit_a_critic_checkpoint_of_another_width(tmp_path):
     ids = torch.randint(3, 1024, (2, 8))
     out = critic.forward_value(ids, torch.ones_like(ids))
     assert out["values"].shape == (2, 8) and out["chosen_end_scores"].shape == (2,)
+
+
+def test_hybrid_engine_is_deepspeeds_own_and_empties_the_cache_in_eval_under_zero3(run):
+    """``hybrid_engine`` (DeepSpeed-Chat's ``--enable_hybrid_engine``): the actor is DeepSpeed's
+    ``DeepSpeedHybridEngine``. With transformers 5 it injects no kernel into OPT (``hybrid_engine.py``:
+    ``populate_all_inference_policies``), so generation is Hugging Face's; under ZeRO-3 its ``eval()`` empties
+    the cache before generation (``gc.collect(); get_accelerator().empty_cache()``), recorded on CPU as the
+    CUDA accelerator's call would be. Under ZeRO-2 it adds no flush."""
+    for strategy, extra in (("zero3", 1), ("zero2", 0)):
+        on, off = run(strategy, hybrid_engine=True), run(strategy)
+        for rank_on, rank_off in zip(on["ranks"], off["ranks"]):
+            assert rank_on["recipe"]["hybrid_engine"] == "DeepSpeedHybridEngine"
+            assert rank_off["recipe"]["hybrid_engine"] is None
+            he = [f for f in rank_on["flushes"] if f["name"].startswith("empty_cache@hybrid_engine.py:")]
+            assert len(he) == extra and all(f["phase"] == "init" for f in he), rank_on["flushes"]
+            assert len(rank_on["flushes"]) == len(rank_off["flushes"]) + extra
+
+
+def test_the_study_pair_runs_what_its_deepspeed_chat_script_runs():
+    """opt-1.3b's PPO scenarios default to ``run_1.3b.sh``'s settings; an override selects the earlier
+    behaviour and is named in the scenario id. Other pairs keep the recipe's defaults."""
+    from pytest_rlhfmem.rlhf.deepspeed_chat.configs import get_train_ds_config, hybrid_engine_block, ppo_setting
+
+    study = Scenario("deepspeed-chat", "opt-1.3b", "zero3", "none", 4)
+    assert [ppo_setting(study, k) for k in ("batch_size", "hybrid_engine", "ema", "actor_dropout")] == [
+        4, True, True, 0.0]
+    earlier = Scenario("deepspeed-chat", "opt-1.3b", "zero3", "none", 4,
+                       {"batch_size": 2, "hybrid_engine": False, "ema": False, "actor_dropout": None})
+    assert [ppo_setting(earlier, k) for k in ("batch_size", "hybrid_engine", "ema", "actor_dropout")] == [
+        2, False, False, None]
+    assert earlier.id == study.id + "/actor_dropout=None,batch_size=2,ema=False,hybrid_engine=False"
+    tiny = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2)
+    assert [ppo_setting(tiny, k) for k in ("batch_size", "hybrid_engine", "ema", "actor_dropout")] == [
+        2, False, False, None]
+    import torch
+
+    cfg = get_train_ds_config(3, False, torch.float16, 4, 4, None, hybrid_engine_max_out_tokens=512)
+    assert cfg["hybrid_engine"] == hybrid_engine_block(512) == {
+        "enabled": True, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
+        "pin_parameters": True, "tp_gather_partition_size": 8}
+    assert "hybrid_engine" not in get_train_ds_config(3, False, torch.float16, 4, 4, None)

@@ -428,4 +428,37 @@ def _install_deepspeed() -> list[str]:
             sys.modules[mod_name].assert_ints_same_as_other_ranks = _const(None)
     del zutils
     names.append("zero3 assert_ints_same_as_other_ranks: skipped")
+    names.append(_install_hybrid_engine())
     return names
+
+
+class _NoInferenceOp:
+    """What ``InferenceBuilder().load()`` answers here: a module with none of the inference kernels, so
+    ``WorkspaceOp`` takes its own fallback functions (the path DeepSpeed takes on its CPU accelerator)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"DeepSpeed's transformer_inference op has no stand-in ({name})")
+
+
+def _install_hybrid_engine() -> str:
+    """DeepSpeed's Hybrid Engine (``runtime/hybrid_engine.py``) loads the ``transformer_inference`` CUDA op
+    when it builds its ``WorkspaceOp``. Loading it allocates nothing on a GPU; its workspace and KV cache are
+    allocated only by ``generate()`` once inference containers replaced some layers. With transformers 5,
+    DeepSpeed 0.19.8 replaces no OPT layer (``populate_all_inference_policies``), so the op is never called:
+    the stand-in is an op with no kernels, and an engine that did inject containers is refused."""
+    from deepspeed.ops.transformer.inference.op_binding.base import BaseOp
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    BaseOp.inference_module = _NoInferenceOp()
+    original = DeepSpeedHybridEngine.create_inference_module
+
+    def create_inference_module(self: Any) -> None:
+        original(self)
+        if self._inference_containers:
+            raise NotImplementedError(
+                f"the Hybrid Engine replaced {len(self._inference_containers)} layers of "
+                f"{type(self.module).__name__} with DeepSpeed inference kernels, which have no stand-ins on the "
+                "fake-CUDA route (their workspace is a raw cudaMalloc); run it on a GPU")
+
+    DeepSpeedHybridEngine.create_inference_module = create_inference_module
+    return "Hybrid Engine: transformer_inference op with no kernels (refused if any layer is injected)"

@@ -242,7 +242,9 @@ class Recorder:
 
     def intercept_empty_cache(self) -> None:
         """Record every ``torch.cuda.empty_cache()`` call of the code under test (or a library) as a FLUSH
-        named ``empty_cache@<file>:<line>`` of its caller, then run the real one (a no-op without CUDA).
+        named ``empty_cache@<file>:<line>`` of its caller (past wrappers that are themselves called
+        ``empty_cache``, e.g. DeepSpeed's accelerator method and ``deepspeed.runtime.utils.empty_cache``), then
+        run the real one (a no-op without CUDA).
         Patches ``torch.cuda.empty_cache`` and ``torch.cuda.memory.empty_cache``; ``stop()`` restores them.
         Code that bound the function before the patch (``from torch.cuda import empty_cache`` at import)
         is not seen: the capture bootstrap patches it as torch finishes importing, before user code."""
@@ -256,6 +258,8 @@ class Recorder:
 
         def empty_cache() -> None:
             caller = sys._getframe(1)
+            while caller.f_code.co_name == "empty_cache" and caller.f_back is not None:
+                caller = caller.f_back
             original()
             self._mark(FLUSH, f"empty_cache@{caller.f_code.co_filename.rsplit('/', 1)[-1]}:{caller.f_lineno}")
 

@@ -135,13 +135,26 @@ def output_width(config) -> int:
     raise ValueError(f"{type(config).__name__} names no output width (word_embed_proj_dim, hidden_size, n_embd)")
 
 
-def build_causal_lm(spec: ModelSpec, path: str | None = None):
-    """The actor/reference: a causal LM with random weights (or local weights from ``path``)."""
-    from transformers import AutoModelForCausalLM
+def configure_dropout(config, dropout: float | None):
+    """DeepSpeed-Chat's ``configure_dropout`` (``dschat/utils/model/model_utils.py``): with ``dropout`` not
+    None, set each of ``dropout``, ``attention_dropout``, ``hidden_dropout``, ``activation_dropout`` the config
+    has to it; returns ``config``."""
+    if dropout is not None:
+        for key in ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout"):
+            if hasattr(config, key):
+                setattr(config, key, dropout)
+    return config
+
+
+def build_causal_lm(spec: ModelSpec, path: str | None = None, dropout: float | None = None):
+    """The actor/reference: a causal LM with random weights (or local weights from ``path``); ``dropout``
+    as :func:`configure_dropout` (None keeps the config's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if path:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    return AutoModelForCausalLM.from_config(hf_config(spec))
+        config = configure_dropout(AutoConfig.from_pretrained(path, local_files_only=True), dropout)
+        return AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True)
+    return AutoModelForCausalLM.from_config(configure_dropout(hf_config(spec), dropout))
 
 
 def build_base_model(spec: ModelSpec, path: str | None = None):

@@ -38,8 +38,12 @@ OVERRIDES: dict[str, type] = {
     "actor_path": str, "critic_path": str, "seed": int, "threads": int, "dtype": str, "group_size": int,
     "inject_crash": str, "inject_hang": str,  # test hooks: "<phase>" or "<phase>:<rank>"
     "ema": bool,  # DeepSpeed-Chat's --enable_ema: the actor's moving-average copy, updated after training
+    "hybrid_engine": bool,  # DeepSpeed-Chat's --enable_hybrid_engine: the actor is DeepSpeed's DeepSpeedHybridEngine
+    "actor_dropout": float,  # DeepSpeed-Chat's --actor_dropout (configure_dropout on the actor's config)
 }
-DEEPSPEED_CHAT_ONLY = ("ema",)  # overrides that are a DeepSpeed-Chat training-script flag
+NULLABLE = ("actor_dropout",)  # None: not set (actor_dropout None keeps the model config's dropout)
+# overrides that are a DeepSpeed-Chat training-script flag
+DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout")
 
 
 class ScenarioError(ValueError):
@@ -81,7 +85,10 @@ class Scenario:
         for k, v in self.overrides.items():
             if k not in OVERRIDES:
                 raise ScenarioError(f"unknown scenario override {k!r}; valid: {', '.join(OVERRIDES)}")
-            if not isinstance(v, OVERRIDES[k]) or (OVERRIDES[k] is int and isinstance(v, bool)):
+            if v is None and k in NULLABLE:
+                continue
+            kind = (int, float) if OVERRIDES[k] is float else OVERRIDES[k]  # 0 is a valid dropout
+            if not isinstance(v, kind) or (OVERRIDES[k] in (int, float) and isinstance(v, bool)):
                 raise ScenarioError(f"override {k}={v!r} must be of type {OVERRIDES[k].__name__}")
         for k in DEEPSPEED_CHAT_ONLY:
             if k in self.overrides and (self.framework != "deepspeed-chat" or self.algorithm != "ppo"):
@@ -100,7 +107,7 @@ class Scenario:
         base = f"{self.framework}/{self.models}/{self.strategy}{alg}/flush-{self.flush}/x{self.world_size}"
         shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
                  if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype",
-                          "group_size", "ema")]
+                          "group_size", "ema", "hybrid_engine", "actor_dropout")]
         return base + ("/" + ",".join(shape) if shape else "")
 
     def get(self, key: str, default: Any = None) -> Any:

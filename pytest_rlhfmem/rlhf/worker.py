@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and scenario.framework == "deepspeed-chat":
         # the GPU's precision on any CPU: DeepSpeed's fp16/bf16 checks ask for fast CPU kernels (hostcpu.py)
         description["deepspeed_dtype_checks"] = answer_deepspeed_dtype_checks()
+        from .deepspeed_chat import record_deepspeed_empty_cache
+
+        description["deepspeed_empty_cache"] = record_deepspeed_empty_cache()
     # The one capture path (rlhfmem capture uses it too): the recorder is the public API's active
     # handle, so rlhfmem.phase(...) inside a recipe or a library lands in the same trace as rec.phase.
     cap = RankCapture(scenario, args.device, Path(args.out_dir), rank, world_size, capture=not args.no_capture,

@@ -25,7 +25,27 @@ from .critic_free_iteration import run_critic_free_iteration
 from .hydra_iteration import run_hydra_iteration
 from .ppo_iteration import run_ppo_iteration
 
-__all__ = ["STRATEGY_SETTINGS", "create_critic_model", "run_iteration"]
+__all__ = ["STRATEGY_SETTINGS", "create_critic_model", "record_deepspeed_empty_cache", "run_iteration"]
+
+# The capture_description entry of a DeepSpeed-Chat CPU run: DeepSpeed's own empty_cache() calls.
+DEEPSPEED_EMPTY_CACHE = "recorded as flushes where CUDA's accelerator calls torch.cuda.empty_cache()"
+
+
+def record_deepspeed_empty_cache() -> str:
+    """On the CPU route: make DeepSpeed's CPU accelerator's ``empty_cache()`` (a no-op,
+    ``accelerator/cpu_accelerator.py``) do what its CUDA accelerator's does (``accelerator/cuda_accelerator.py``:
+    ``torch.cuda.empty_cache()``), so the capture records the flushes DeepSpeed makes on a GPU: ZeRO's own
+    calls and the Hybrid Engine's in ``eval()`` under ZeRO-3, each named ``empty_cache@<DeepSpeed file>:<line>``
+    by the capture's interception (``Recorder.intercept_empty_cache``); without CUDA the call does nothing else.
+    Returns the ``capture_description`` text."""
+    import torch
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    def empty_cache(self: CPU_Accelerator) -> None:
+        torch.cuda.empty_cache()  # looked up at call time: the capture's interception
+
+    CPU_Accelerator.empty_cache = empty_cache
+    return DEEPSPEED_EMPTY_CACHE
 
 
 def run_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:

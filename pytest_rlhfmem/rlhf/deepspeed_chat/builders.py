@@ -42,12 +42,14 @@ class RewardModel(torch.nn.Module):
         return {"values": values, "chosen_end_scores": values[:, -1]}
 
 
-def create_hf_model(spec: ModelSpec, ds_config: dict | None, path: str | None, dtype: torch.dtype):
-    """``create_hf_model``: under ZeRO-3 the model is partitioned as it is built (HfDeepSpeedConfig)."""
+def create_hf_model(spec: ModelSpec, ds_config: dict | None, path: str | None, dtype: torch.dtype,
+                    dropout: float | None = None):
+    """``create_hf_model``: under ZeRO-3 the model is partitioned as it is built (HfDeepSpeedConfig);
+    ``dropout`` is ``--actor_dropout`` (None keeps the config's, as DeepSpeed-Chat)."""
     from transformers.integrations import HfDeepSpeedConfig
 
     dschf = HfDeepSpeedConfig(ds_config) if ds_config and ds_config["zero_optimization"]["stage"] == 3 else None
-    model = build_causal_lm(spec, path).to(dtype)
+    model = build_causal_lm(spec, path, dropout).to(dtype)
     del dschf
     return model
 
@@ -108,16 +110,17 @@ def offloaded_tensors(engine, offload: bool) -> list[torch.Tensor]:
 
 
 def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train_cfg: dict, eval_cfg: dict,
-                       dtype: torch.dtype, device: str, lora_dim: int, only_lora: bool) -> tuple[Any, Any]:
+                       dtype: torch.dtype, device: str, lora_dim: int, only_lora: bool,
+                       actor_dropout: float | None = None) -> tuple[Any, Any]:
     """The actor's and the reference's DeepSpeed engines (``rlhf_engine.py``: ``_init_actor``, ``_init_ref``):
     the actor with LoRA when ``lora_dim > 0`` and its optimizer (DeepSpeedCPUAdam under offload), the
-    reference on the eval config (stage 3 only if the actor is). Offloaded buffers are declared
-    host-resident (``Recorder.host_resident``)."""
+    reference on the eval config (stage 3 only if the actor is). ``actor_dropout``: the actor's only
+    (``--actor_dropout``). Offloaded buffers are declared host-resident (``Recorder.host_resident``)."""
     import deepspeed
 
     stage, offload, _ = STRATEGY_SETTINGS[scenario.strategy]
     train_cfg, eval_cfg = per_engine(train_cfg, "actor"), per_engine(eval_cfg, "reference")
-    actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype)
+    actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype, actor_dropout)
     if lora_dim > 0:
         actor = convert_to_lora(actor, pair, lora_dim, only_lora)
     actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),

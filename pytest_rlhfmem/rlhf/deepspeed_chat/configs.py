@@ -97,9 +97,11 @@ def _offload_blocks(offload: bool | str, buffer_elements: int | None) -> tuple[d
 
 
 def get_train_ds_config(stage: int, offload: bool | str, dtype: torch.dtype, micro_batch: int, world_size: int,
-                        bucket_elements: int | None, nvme_buffer_elements: int | None = None) -> dict:
+                        bucket_elements: int | None, nvme_buffer_elements: int | None = None,
+                        hybrid_engine_max_out_tokens: int | None = None) -> dict:
     """``get_train_ds_config``: ZeRO stage, offload of params and optimizer (host or NVMe), fp16/bf16,
-    clipping 1.0."""
+    clipping 1.0; with ``hybrid_engine_max_out_tokens`` (prompt + answer tokens), the ``hybrid_engine`` block
+    of :func:`hybrid_engine_block` (the actor's config under ``--enable_hybrid_engine``)."""
     offload_param, offload_optimizer = _offload_blocks(offload, nvme_buffer_elements)
     zero: dict[str, Any] = {
         "stage": stage,
@@ -128,8 +130,44 @@ def get_train_ds_config(stage: int, offload: bool | str, dtype: torch.dtype, mic
     }
     if offload == "nvme":
         cfg["aio"] = dict(AIO)
+    if hybrid_engine_max_out_tokens is not None:
+        cfg["hybrid_engine"] = hybrid_engine_block(hybrid_engine_max_out_tokens)
     cfg.update(_precision(dtype))
     return cfg
+
+
+def hybrid_engine_block(max_out_tokens: int) -> dict:
+    """DeepSpeed-Chat's ``hybrid_engine`` config block with its step-3 ``main.py`` defaults
+    (``ds_utils.get_train_ds_config``; ``--inference_tp_size 1``, ``--release_inference_cache`` off,
+    ``--unpin_actor_parameters`` off so ``pin_parameters`` is on, ``--tp_gather_partition_size 8``);
+    ``max_out_tokens`` is ``max_prompt_seq_len + max_answer_seq_len``.
+
+    What DeepSpeed 0.19.8 does with it (``runtime/hybrid_engine.py``): the actor becomes a
+    ``DeepSpeedHybridEngine``, which broadcasts the RNG state at init and, under ZeRO-3, calls
+    ``gc.collect()`` and ``empty_cache()`` in every ``eval()``. Its inference kernels replace no OPT layer with
+    transformers 5 (``populate_all_inference_policies`` skips OPT decoders whose ``forward`` takes
+    ``past_key_values``: "The injected OPT layer only implements the legacy tuple-cache contract"), so
+    generation is Hugging Face's own, and no inference workspace or KV cache is allocated."""
+    return {"enabled": True, "max_out_tokens": max_out_tokens, "inference_tp_size": 1,
+            "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8}
+
+
+# What DeepSpeed-Chat's own step-3 script for a pair runs, where it differs from the recipe's defaults (batch 2,
+# no Hybrid Engine, no EMA, the model config's dropout: the study's text, Sec. 2). opt-1.3b:
+# ``training_scripts/opt/single_node/run_1.3b.sh`` (DeepSpeedExamples 1c6f9895: ``--per_device_generation_batch_size
+# 4 --per_device_training_batch_size 4 --actor_dropout 0.0 --enable_hybrid_engine --enable_ema``; it passes no
+# LoRA flag, the pair keeps the study's LoRA dim 128). A scenario's own override wins; the earlier behaviour is
+# selected by overriding these, and the override is then part of the scenario id.
+STUDY_SCRIPT_SETTINGS: dict[str, dict[str, Any]] = {
+    "opt-1.3b": {"batch_size": 4, "hybrid_engine": True, "ema": True, "actor_dropout": 0.0},
+}
+RECIPE_DEFAULTS: dict[str, Any] = {"batch_size": 2, "hybrid_engine": False, "ema": False, "actor_dropout": None}
+
+
+def ppo_setting(scenario: Scenario, key: str) -> Any:
+    """``key`` (one of :data:`RECIPE_DEFAULTS`) for a DeepSpeed-Chat PPO scenario: its override, else what
+    the pair's step-3 script runs (:data:`STUDY_SCRIPT_SETTINGS`), else the recipe's default."""
+    return scenario.get(key, STUDY_SCRIPT_SETTINGS.get(scenario.models, {}).get(key, RECIPE_DEFAULTS[key]))
 
 
 def get_eval_ds_config(stage: int, offload: bool | str, dtype: torch.dtype, micro_batch: int, world_size: int,

@@ -9,6 +9,10 @@ Follows microsoft/DeepSpeedExamples ``applications/DeepSpeed-Chat``: ``dschat/rl
 Reads top to bottom: build the four engines (phase ``init``: ``builders.py``), then ``generate``, the four
 inference forwards, and the actor and critic updates. The recorder marks each phase; the flush policy
 empties the cache where it says.
+
+Settings that DeepSpeed-Chat's step-3 script for the pair passes (``configs.ppo_setting``; for ``opt-1.3b``
+``run_1.3b.sh``: batch 4, the Hybrid Engine, EMA, actor dropout 0) are the defaults; the Hybrid Engine is
+DeepSpeed's own ``DeepSpeedHybridEngine`` (what it does here: ``configs.hybrid_engine_block``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from .builders import (
     create_critic_model, init_actor_and_ref, init_ema, init_reward, lora_critic, make_optimizer, moving_average,
     offloaded_tensors, optimizer_state_summary,
 )
-from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter, per_engine
+from .configs import (
+    STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter, per_engine, ppo_setting,
+)
 
 
 def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -34,10 +40,11 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     pair = get_pair(scenario.models)
     stage, offload, grad_ckpt = STRATEGY_SETTINGS[scenario.strategy]
     dtype = resolve_dtype(scenario, device)
-    batch = scenario.get("batch_size", 2)
+    batch = ppo_setting(scenario, "batch_size")  # per-device generation = training batch
     prompt_len = scenario.get("prompt_len", pair.prompt_len)
     answer_len = scenario.get("answer_len", pair.answer_len)
     lora_dim = scenario.get("lora_dim", pair.lora_dim)
+    actor_dropout = ppo_setting(scenario, "actor_dropout")  # --actor_dropout (None: the config's)
     lora_only = scenario.strategy == "lora"  # LoRA-PPO: LoRA on actor and critic, nothing else trains
     only_lora = scenario.get("only_optimize_lora", False) or lora_only
     buckets = pair.bucket_elements
@@ -46,13 +53,17 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     nvme = largest_parameter(pair) if offload == "nvme" else None  # staging buffers hold the largest parameter
     train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets, nvme)
     eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets, nvme)
-    ema = bool(scenario.get("ema", False))  # DeepSpeed-Chat's --enable_ema (off by default there)
+    hybrid_engine = bool(ppo_setting(scenario, "hybrid_engine"))  # --enable_hybrid_engine: the actor's only
+    actor_cfg = (get_train_ds_config(stage, offload, dtype, batch, world_size, buckets, nvme,
+                                     hybrid_engine_max_out_tokens=prompt_len + answer_len)
+                 if hybrid_engine else train_cfg)
+    ema = bool(ppo_setting(scenario, "ema"))  # --enable_ema
     torch.manual_seed(scenario.get("seed", 1234) + rank)
     hooks = FaultHooks(scenario, rank)
 
     with rec.phase("init"):
-        actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
-                                                      lora_dim, only_lora)
+        actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, actor_cfg, eval_cfg, dtype, device,
+                                                      lora_dim, only_lora, actor_dropout)
         # rlhf_engine.py builds actor, reference, EMA, critic, reward in that order
         ema_engine = init_ema(scenario, pair, rec, eval_cfg, dtype, lora_dim) if ema else None
         # critic (_init_critic): gradient checkpointing from the start
@@ -74,7 +85,8 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # left-padded
 
     # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
-    actor_engine.eval()
+    for engine in (actor_engine, critic_engine, reward_engine, ref_engine):  # self.eval(); the Hybrid Engine's
+        engine.eval()  # eval() empties the cache under ZeRO-3
     with rec.phase("generate"):
         with torch.no_grad():
             seq = actor_engine.module.generate(
@@ -82,6 +94,8 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
                 do_sample=True, pad_token_id=pad_id, synced_gpus=stage == 3, use_cache=True)
         hooks.at("generate")
     maybe_flush(scenario, rec, "generate")
+    actor_engine.train()  # self.train(): the experience forwards of actor and critic run in train mode
+    critic_engine.train()  # (dropout on, under no_grad), as ppo_trainer.py does
     attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
                                                         device=device)], dim=1)
     with torch.no_grad():
@@ -106,9 +120,7 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
             hooks.at("infer_critic")
         maybe_flush(scenario, rec, "infer_critic")
 
-    # ---- train_rlhf (ppo_trainer.py) ----------------------------------------------------------
-    actor_engine.train()
-    critic_engine.train()
+    # ---- train_rlhf (ppo_trainer.py): actor and critic are still in train mode ------------------
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_enable()  # only for the update, as DeepSpeed-Chat
     start = prompt_len - 1
@@ -149,6 +161,8 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
         "dtype": str(dtype).replace("torch.", ""),
         "zero_stage": stage, "reference_stage": ref_stage, "reward_stage": reward_stage,
         "offload": offload, "gradient_checkpointing": grad_ckpt, "lora_dim": lora_dim, "ema": ema,
+        "actor_dropout": actor_dropout,
+        "hybrid_engine": type(actor_engine).__name__ if hybrid_engine else None,
         "batch_size": batch, "prompt_len": prompt_len, "answer_len": answer_len,
         "bucket_elements": buckets, "sequence_shape": list(seq.shape),
     }

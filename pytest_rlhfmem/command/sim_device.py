@@ -214,8 +214,11 @@ def install(get_rec: Any) -> list[str]:
     Returns the names replaced (recorded in the result)."""
     import torch
 
-    from ..memory.sim_cuda import library
+    from ..memory.sim_cuda import ENV_RECORD_STREAM, library, record_stream_mode
 
+    if record_stream_mode() != "immediate":  # its stand-ins log no host waits: delays would never end
+        raise ValueError(f"${ENV_RECORD_STREAM}={record_stream_mode()}: modelled on the fake-CUDA route only "
+                         "(benchmarks/study_scale.py --record-stream); a command's capture supports: immediate")
     lib = library()
     live, history = LiveAllocator(get_rec), History(get_rec)
     default = Stream()

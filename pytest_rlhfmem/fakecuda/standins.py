@@ -36,6 +36,14 @@ from .recorder import FakeCudaRecorder
 
 _RECORDER: FakeCudaRecorder | None = None
 _stream_ids = itertools.count(1)
+# The simulated device's log of host waits, when record_stream is modelled ``until-sync`` (install_sim): called
+# with the stream id the host waits for (-1: every stream); None otherwise.
+_HOST_WAITS: Any = None
+
+
+def _host_waits(stream_id: int) -> None:
+    if _HOST_WAITS is not None:
+        _HOST_WAITS(stream_id)
 
 
 class FakeStream:
@@ -53,10 +61,12 @@ class FakeStream:
         pass
 
     def record_event(self, event: Any = None) -> FakeEvent:
-        return event if event is not None else FakeEvent()
+        event = event if event is not None else FakeEvent()
+        event.record(self)
+        return event
 
     def synchronize(self) -> None:
-        pass
+        _host_waits(self.stream_id)
 
     def query(self) -> bool:
         return True
@@ -85,16 +95,16 @@ class FakeEvent:
     """A CUDA event stand-in: records and waits are no-ops; elapsed time is 0."""
 
     def __init__(self, *_: Any, **__: Any) -> None:
-        pass
+        self.stream_id = -1  # not recorded yet: a wait for it waits for nothing we know, so for every stream
 
     def record(self, stream: Any = None) -> None:
-        pass
+        self.stream_id = getattr(stream if stream is not None else torch.cuda.current_stream(), "stream_id", -1)
 
     def wait(self, stream: Any = None) -> None:
         pass
 
     def synchronize(self) -> None:
-        pass
+        _host_waits(self.stream_id)
 
     def query(self) -> bool:
         return True
@@ -247,22 +257,39 @@ def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
     counted into ``scalar_answers`` (the device answers by dtype, as :data:`.recorder.SCALAR_ANSWERS`);
     a device tensor's ``repr`` prints no values (it has none; on a GPU, printing computes on the device).
     Returns the stand-ins' names."""
-    global _SIM_LIB
+    global _SIM_LIB, _HOST_WAITS
     import ctypes
+
+    from ..memory.sim_cuda import ALL_STREAMS, LOG_RECORD_STREAM, LOG_SYNC, record_stream_mode
 
     lib.rlhfmem_sim_cuda_stream.restype = ctypes.c_int64
     _SIM_LIB = lib
+    until_sync = record_stream_mode() == "until-sync"
     props = types.SimpleNamespace(name="rlhfmem simulated CUDA device (RTX 3090 geometry)", total_memory=24 * 2**30,
                                   major=8, minor=6, multi_processor_count=82, is_integrated=False,
                                   is_multi_gpu_board=False)
+    waits = {}
+    if until_sync:  # the device's log gets record_stream and host waits (memory/sim_cuda.py: delay_record_stream_frees)
+        _HOST_WAITS = lambda sid: lib.rlhfmem_sim_cuda_log(LOG_SYNC, 0, sid)  # noqa: E731
+        waits = {"synchronize": lambda device=None: _host_waits(ALL_STREAMS),
+                 "empty_cache": lambda: _host_waits(ALL_STREAMS)}  # synchronize_and_free_events first
     names = _install_torch_cuda({
         "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": _const(None),
         "init": _const(None), "stream": sim_stream_context, "current_stream": sim_current_stream,
         "get_device_properties": lambda device=None: props, "get_device_name": lambda device=None: props.name,
-        "mem_get_info": lambda device=None: (props.total_memory, props.total_memory),
+        "mem_get_info": lambda device=None: (props.total_memory, props.total_memory), **waits,
     })
-    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
-    names.append("Tensor.record_stream: no-op")
+    if until_sync:
+        def record_stream(self: torch.Tensor, stream: Any) -> None:
+            lib.rlhfmem_sim_cuda_log(LOG_RECORD_STREAM, self.untyped_storage().data_ptr(),
+                                     getattr(stream, "stream_id", 0))
+
+        torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+        names.append("Tensor.record_stream: the block returns to its pool when the host next waits for the "
+                     "stream (synchronize, Stream/Event.synchronize, empty_cache, a value read): until-sync")
+    else:
+        torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
+        names.append("Tensor.record_stream: no-op (the block is reusable at its free: immediate)")
     _count_scalar_sites(scalar_answers)
     names.append("Tensor.item/__bool__/__int__/__float__/tolist on device tensors: call sites counted")
     original_repr = torch.Tensor.__repr__
@@ -352,6 +379,7 @@ def _count_scalar_sites(sites: dict[str, dict]) -> None:
         def wrapper(t: torch.Tensor, *a: Any, _original: Any = original, _name: str = name, **k: Any) -> Any:
             value = _original(t, *a, **k)
             if t.device.type == "cuda":
+                _host_waits(getattr(torch.cuda.current_stream(), "stream_id", 0))  # a read waits for its stream
                 entry = sites.setdefault(_caller(), {"op": _name, "dtype": str(t.dtype).replace("torch.", ""),
                                                      "answer": value if _name != "tolist" else "list", "count": 0})
                 entry["count"] += 1

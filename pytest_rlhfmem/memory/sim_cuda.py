@@ -25,6 +25,16 @@ ENV_SDPA = "RLHFMEM_SIM_CUDA_SDPA"  # scaled_dot_product_attention's backend on 
 SDPA_BACKENDS = {"math": 0, "efficient": 2}
 BACKEND = "rlhfmem simulated CUDA device (meta kernels, logging allocator; all threads)"
 SCALAR_KINDS = ("bool", "int", "float", "other")
+# When a freed block that ``Tensor.record_stream`` marked as used on another stream returns to its pool
+# (CUDACachingAllocator.cpp: ``free`` -> ``insert_events`` records an event on each such stream; ``process_events``
+# at a later malloc returns the block once they completed). The device has no time, so the two bounds:
+# ``immediate`` (default: the other stream's work is done by the next malloc) and ``until-sync`` (held until the
+# host next waits for that stream: ``torch.cuda.synchronize``, ``Stream``/``Event.synchronize``, ``empty_cache``,
+# a value read on it such as ``.item()``).
+ENV_RECORD_STREAM = "RLHFMEM_SIM_CUDA_RECORD_STREAM"
+RECORD_STREAM_MODES = ("immediate", "until-sync")
+LOG_RECORD_STREAM, LOG_SYNC = 3, 4  # the log's actions besides 1 alloc and 2 free (sim_cuda.cpp)
+ALL_STREAMS = -1
 
 
 class SimCudaUnavailable(RuntimeError):
@@ -50,6 +60,7 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_set_workspace_bytes.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_set_stream.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_set_sdp_backend.argtypes = [ctypes.c_int64]
+    lib.rlhfmem_sim_cuda_log.argtypes = [ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64]
     return lib
 
 
@@ -75,6 +86,61 @@ def load_before_torch(path: str) -> None:
     os.environ[ENV_LIBRARY] = path
 
 
+def record_stream_mode(name: str | None = None) -> str:
+    """``name``, else ``$RLHFMEM_SIM_CUDA_RECORD_STREAM``, else ``immediate``; ``ValueError`` naming the allowed
+    values otherwise."""
+    name = name or os.environ.get(ENV_RECORD_STREAM) or "immediate"
+    if name not in RECORD_STREAM_MODES:
+        raise ValueError(f"record_stream mode {name!r} (${ENV_RECORD_STREAM}): allowed values are "
+                         f"{', '.join(RECORD_STREAM_MODES)}")
+    return name
+
+
+def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]]) -> list[tuple[int, tuple]]:
+    """The log with each cross-stream block's free moved to the host synchronization that completes its
+    streams' events: ``[(position, (action, addr, size, stream, time_us))]``, actions 1 and 2 only, where
+    ``position`` is the index in ``events`` of the event at which it takes effect (a delayed free: the sync's,
+    with the sync's time).
+
+    ``events``: ``(action, addr, size, stream, time_us)`` with action 1 alloc, 2 free, 3 ``record_stream`` of the
+    block at ``addr`` on ``stream``, 4 a host wait for ``stream`` (``-1`` every stream). Follows
+    CUDACachingAllocator.cpp: ``recordStream`` ignores the block's own stream; ``free`` of a block with other
+    streams' uses holds it until an event on each completes (here: until the host waits for that stream, the
+    ``until-sync`` bound); frees still held at the end come after the last event."""
+    stream_of: dict[int, int] = {}  # live block -> the stream it was allocated on
+    uses: dict[int, set[int]] = {}  # live block -> other streams recorded on it
+    held: dict[int, tuple[tuple, set[int]]] = {}  # freed block -> (its free event, streams not yet waited for)
+    out: list[tuple[int, tuple]] = []
+    for i, ev in enumerate(events):
+        action, addr, _, stream, _ = ev
+        if action == 1:
+            stream_of[addr] = stream
+            out.append((i, ev))
+        elif action == 2:
+            streams = uses.pop(addr, set())
+            stream_of.pop(addr, None)
+            if streams:
+                held[addr] = (ev, streams)
+            else:
+                out.append((i, ev))
+        elif action == LOG_RECORD_STREAM:
+            if addr in stream_of and stream != stream_of[addr]:
+                uses.setdefault(addr, set()).add(stream)
+        elif action == LOG_SYNC:
+            for addr2 in list(held):
+                free, streams = held[addr2]
+                if stream == ALL_STREAMS:
+                    streams.clear()
+                else:
+                    streams.discard(stream)
+                if not streams:
+                    out.append((i, free[:4] + (ev[4],)))  # at the sync's time
+                    del held[addr2]
+    end = events[-1][4] if events else 0
+    out.extend((len(events), free[:4] + (end,)) for free, _ in held.values())
+    return out
+
+
 class _Rows(list):
     def tolist(self) -> list:
         return list(self)
@@ -97,6 +163,7 @@ class SimCudaRows:
         self._start = 0
         self._marks: list[tuple[int, int, int]] = []  # (event index, time_ns, mark index)
         self.streams: dict[int, int] = {}  # address -> stream, for blocks allocated on a side stream
+        self.delayed_frees = 0  # frees moved to a later host wait (record_stream until-sync)
 
     def install(self) -> bool:
         return True
@@ -120,7 +187,11 @@ class SimCudaRows:
         out = _Rows()
         marks = iter(self._marks)
         nxt = next(marks, None)
-        for i, (action, addr, size, stream, t_us) in enumerate(self.events(), start=self._start):
+        events = self.events()
+        placed = delay_record_stream_frees(events)
+        self.delayed_frees = sum(1 for i, ev in placed if i >= len(events) or events[i] is not ev)
+        for i, (action, addr, size, stream, t_us) in placed:
+            i += self._start
             if stream:
                 self.streams[addr] = stream
             while nxt is not None and nxt[0] <= i:
@@ -141,6 +212,8 @@ class SimCudaRows:
         return {"simulated_cuda_device": {
             "kernels": "meta (outputs' shapes, strides and dtypes; no values)",
             "scaled_dot_product_attention": self.sdpa,
+            "record_stream": record_stream_mode(),
+            "record_stream_delayed_frees": self.delayed_frees,
             # memory-efficient attention backwards: delta and workspace made (head dim <= 64), and those whose
             # workspace is not modelled (head dim > 64)
             "efficient_attention_backwards": self.lib.rlhfmem_sim_cuda_attention_backwards(),

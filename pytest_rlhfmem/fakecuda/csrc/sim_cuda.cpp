@@ -45,7 +45,7 @@ namespace {
 
 // ---- the device trace -------------------------------------------------------------------------------
 struct Ev {
-  int64_t action;  // 1 alloc, 2 free
+  int64_t action;  // 1 alloc, 2 free; logged from Python (rlhfmem_sim_cuda_log): 3 record_stream, 4 host sync
   uint64_t addr;
   int64_t size;
   int64_t stream;
@@ -504,6 +504,10 @@ void rlhfmem_sim_cuda_set_workspace_bytes(int64_t n) { g_workspace_bytes = n; }
 void rlhfmem_sim_cuda_set_stream(int64_t s) { t_stream = s; }
 void rlhfmem_sim_cuda_set_sdp_backend(int64_t b) { g_sdp_backend = b; }
 int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
+// Python's stand-ins log what changes when a freed block returns to the pool (memory/sim_cuda.py:
+// delay_record_stream_frees): 3 = Tensor.record_stream(storage at addr, stream), 4 = the host waits for
+// stream (-1: every stream: synchronize, empty_cache).
+void rlhfmem_sim_cuda_log(int64_t action, uint64_t addr, int64_t stream) { log_event(action, addr, 0, stream); }
 int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
 int64_t rlhfmem_sim_cuda_reduce_stagings() { return g_reduce_staging.load(); }
 int64_t rlhfmem_sim_cuda_index_sorts() { return g_index_sort.load(); }

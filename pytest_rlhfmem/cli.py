@@ -44,12 +44,15 @@ def _replay(args: argparse.Namespace) -> int:
     rec = recorded_summary_columns(trace)
     agree = agreement(rec, result, trace.has_segment_events())
     spread = _address_order_spread(args, trace, config) if args.address_orders else None
+    origin = _peak_origin(args, trace, config, result.total.peak_reserved) if args.peak_origin else None
     if args.json:
         out = replay_json(args.snapshot, args.mode, config, trace, result, rec, agree)
         if reader is not None:
             out["snapshot_reader"] = reader
         if spread is not None:
             out["address_order_spread"] = spread
+        if origin is not None:
+            out["peak_origin"] = vars(origin) | {"fragmentation": origin.fragmentation}
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
@@ -93,7 +96,25 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"peak reserved under {spread['orders']} random cudaMalloc address orders (seed {spread['seed']}): "
               f"{format_size(pr['min'])} to {format_size(pr['max'])}; the model's order "
               f"({format_size(spread['model_order']['peak_reserved'])}) in {spread['model_order_share']:.0%} of them")
+    if origin is not None:
+        print(f"at the peak ({origin.phase}, free-running, before its {format_size(origin.segment_size)} cudaMalloc): "
+              f"fragmentation {format_size(origin.fragmentation)}; free bytes by the phase that made their segment:")
+        for phase, n in sorted(origin.free_by_segment_phase.items(), key=lambda kv: -kv[1]):
+            live = format_size(origin.allocated_by_phase.get(phase, 0))
+            print(f"  {phase:24s} {format_size(n):>12}   (live bytes this phase allocated: {live})")
     return 0
+
+
+def _peak_origin(args: argparse.Namespace, trace, config, peak_reserved: int):  # noqa: ANN001, ANN202
+    from .memory.peak_origin import peak_origin
+    from .memory.replay import FREE_RUNNING
+
+    if args.mode != FREE_RUNNING:
+        raise CliError(f"{args.snapshot}: --peak-origin replays free-running: add --free-running")
+    try:
+        return peak_origin(trace.to_trace(), peak_reserved, config)
+    except ValueError as exc:
+        raise CliError(f"{args.snapshot}: --peak-origin: {exc}") from None
 
 
 def _address_order_spread(args: argparse.Namespace, trace, config) -> dict:  # noqa: ANN001
@@ -171,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address-orders", type=int, default=0, metavar="N",
                    help="also replay under N seeded random placements of new segments (the driver's choice; "
                         "best fit breaks ties by address) and print the spread of peak reserved")
+    r.add_argument("--peak-origin", action="store_true",
+                   help="with --free-running: break the peak's fragmentation down by the phase that made each "
+                        "segment (the model's state just before the peak's cudaMalloc)")
     r.add_argument("--engine", choices=("auto", "compiled", "python"), default="auto",
                    help="allocator model: auto (compiled core when it supports the replay, default), or one of them")
     r.set_defaults(func=_replay)

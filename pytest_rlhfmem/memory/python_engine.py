@@ -49,7 +49,8 @@ def with_flush_events(trace: Trace, positions: list[int] | tuple[int, ...], name
 
 def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: int | None, record_series: bool,
                   record_events: bool, engine_reason: str,
-                  address_for_new_segment: Callable[[int | None], int | None] | None = None) -> ReplayResult:
+                  address_for_new_segment: Callable[[int | None], int | None] | None = None,
+                  stop_at_reserved: int | None = None) -> ReplayResult:
     """Replay ``trace`` through :class:`~.allocator.CachingAllocatorModel`, event by event, in ``mode``
     (``replay.replay``'s docstring says what the modes and arguments mean); ``engine_reason`` is recorded
     in the result. Raises :class:`~.replay_types.ReplayError` for a trace the model cannot follow.
@@ -57,7 +58,10 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
     ``address_for_new_segment``, free-running only: the device address of each new segment, i.e. the pointer
     ``cudaMallocMaybeCapturing`` hands ``alloc_block`` (the driver's choice), called with the cudaMalloc size
     in bytes (``None`` for an expandable segment's virtual base); ``None`` from it, or no hook, places the
-    segment above the model's previous one. Anchored mode takes the recorded addresses instead."""
+    segment above the model's previous one. Anchored mode takes the recorded addresses instead.
+
+    ``stop_at_reserved`` (bytes): end the replay after the first allocation that takes reserved to it or above;
+    the result (``model`` included) is then the state at that moment (e.g. the peak: ``peak_origin.py``)."""
     capacity_source = "given" if capacity is not None else "unlimited"
     if capacity is None:
         capacity = infer_capacity(trace)
@@ -162,6 +166,8 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
                 collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms)
             state["last_was_free"] = False
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
+            if stop_at_reserved is not None and st.reserved_bytes >= stop_at_reserved:
+                break
         elif action == FREE:
             block = live.pop(ev.addr, None)
             if block is None:

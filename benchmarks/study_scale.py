@@ -45,11 +45,12 @@ def study_scenario(strategy: str, flush: str, models: str = "opt-1.3b", override
 
 
 def run_strategy(strategy: str, out: Path, models: str, overrides: dict, timeout: float,
-                 tensors: str = "sim", sdpa: str | None = None) -> dict[str, dict]:
+                 tensors: str = "sim", sdpa: str | None = None, record_stream: str | None = None) -> dict[str, dict]:
     sc = study_scenario(strategy, "after-inference", models, overrides)
     t0 = time.perf_counter()
     try:
-        res = run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout, tensors=tensors, sdpa=sdpa)
+        res = run_fake_cuda(sc, work_dir=out, without_flush=True, timeout=timeout, tensors=tensors, sdpa=sdpa,
+                            record_stream=record_stream)
     except FakeCudaRunError as exc:
         res = {sc.id: {"status": "failed", "error": {"message": str(exc)[-2000:]}}}
     r = res.get(sc.id, {})
@@ -124,36 +125,54 @@ def times(results: dict[str, dict], strategies: list[str], models: str, override
     return "time per strategy:\n" + "\n".join(rows)
 
 
-def findings(results: dict[str, dict], models: str, overrides: dict) -> str:
-    """The study's three DeepSpeed-Chat findings, each checked on the simulated figures (reported, never
-    used to tune anything)."""
+def finding_checks(results: dict[str, dict], models: str, overrides: dict) -> dict[str, tuple[bool, str]]:
+    """The study's DeepSpeed-Chat findings, each checked on the simulated figures (reported, never used to tune
+    anything): ``{finding: (reproduced, figures)}``; a finding whose strategies did not all run is absent.
+
+    - ``zero3_above_zero2``: ZeRO-3 reserves more than ZeRO-2 while allocating less (flush none);
+    - ``flush_cut``: the after-inference flush cuts ZeRO-3, ZeRO-3 + offload and all by a fifth or more;
+    - ``frag_after_flush``: with it, fragmentation at their peaks is under 0.5 GB;
+    - ``none_rises``: ``none`` rises slightly (0 to 10 %) with the flush."""
     def get(s: str, flush: str) -> dict | None:
         r = results.get(study_scenario(s, flush, models, overrides).id)
         return r["total"] | {"peak_phase": r["peak_phase"]} if r and r.get("status") == "ok" else None
 
-    lines = []
+    out: dict[str, tuple[bool, str]] = {}
     z2, z3 = get("zero2", "none"), get("zero3", "none")
     if z2 and z3:
         ok = z3["peak_reserved"] > z2["peak_reserved"] and z3["peak_allocated"] < z2["peak_allocated"]
-        lines.append(f"1. ZeRO-3 reserves more than ZeRO-2 while allocating less: {'REPRODUCED' if ok else 'NOT reproduced'}"  # noqa: E501
-                     f" (reserved {z3['peak_reserved'] / GIB:.2f} vs {z2['peak_reserved'] / GIB:.2f} GiB, allocated "
-                     f"{z3['peak_allocated'] / GIB:.2f} vs {z2['peak_allocated'] / GIB:.2f} GiB; peaks in "
-                     f"{z3['peak_phase']} / {z2['peak_phase']})")
-    for s in ("zero3", "zero3-offload", "all"):
-        a, b = get(s, "none"), get(s, "after-inference")
-        if a and b:
-            cut = 1 - b["peak_reserved"] / a["peak_reserved"]
-            frag = b["fragmentation_at_peak"] or 0
-            ok = cut >= 0.2 and frag < 0.5e9
-            lines.append(f"2. flush after inference cuts {s} by a fifth or more, frag. < 0.5 GB: "
-                         f"{'REPRODUCED' if ok else 'NOT reproduced'} (cut {cut:+.1%}, frag. {frag / GIB:.2f} GiB; "
-                         f"peak phase {a['peak_phase']} -> {b['peak_phase']})")
+        out["zero3_above_zero2"] = (ok, f"reserved {z3['peak_reserved'] / GIB:.2f} vs {z2['peak_reserved'] / GIB:.2f} "
+                                        f"GiB, allocated {z3['peak_allocated'] / GIB:.2f} vs "
+                                        f"{z2['peak_allocated'] / GIB:.2f}; peaks in {z3['peak_phase']} / "
+                                        f"{z2['peak_phase']}")
+    pairs = [(s, get(s, "none"), get(s, "after-inference")) for s in ("zero3", "zero3-offload", "all")]
+    if all(a and b for _, a, b in pairs):
+        cuts = [(s, 1 - b["peak_reserved"] / a["peak_reserved"], b) for s, a, b in pairs]
+        out["flush_cut"] = (all(c >= 0.2 for _, c, _ in cuts),
+                            ", ".join(f"{s} {-c:+.1%} ({b['peak_phase']})" for s, c, b in cuts))
+        frags = [(s, b["fragmentation_at_peak"] or 0) for s, _, b in pairs]
+        out["frag_after_flush"] = (all(f < 0.5e9 for _, f in frags),
+                                   ", ".join(f"{s} {f / GIB:.2f} GiB" for s, f in frags))
     a, b = get("none", "none"), get("none", "after-inference")
     if a and b:
         d = b["peak_reserved"] / a["peak_reserved"] - 1
-        lines.append(f"3. none rises slightly with the flush: {'REPRODUCED' if 0 < d < 0.1 else 'NOT reproduced'} "
-                     f"({d:+.1%}; peak phase {a['peak_phase']} -> {b['peak_phase']})")
-    return "findings (simulated):\n" + "\n".join(lines)
+        out["none_rises"] = (0 < d < 0.1, f"{d:+.1%}; peak phase {a['peak_phase']} -> {b['peak_phase']}")
+    return out
+
+
+FINDINGS = {
+    "zero3_above_zero2": "1. ZeRO-3 reserves more than ZeRO-2 while allocating less",
+    "flush_cut": "2. flush after inference cuts ZeRO-3, ZeRO-3 + offload and all by a fifth or more",
+    "frag_after_flush": "3. with that flush, fragmentation at their peaks < 0.5 GB",
+    "none_rises": "4. none rises slightly with the flush",
+}
+
+
+def findings(results: dict[str, dict], models: str, overrides: dict) -> str:
+    """The findings of :func:`finding_checks`, one line each."""
+    checks = finding_checks(results, models, overrides)
+    return "findings (simulated):\n" + "\n".join(
+        f"{FINDINGS[k]}: {'REPRODUCED' if ok else 'NOT reproduced'} ({text})" for k, (ok, text) in checks.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,11 +189,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="--tensors sim only: the attention kernel modelled (math keeps the score matrix, the "
                          "default; efficient: memory-efficient attention's output and logsumexp). Results are named "
                          "by scenario id: give each setting its own --out")
+    ap.add_argument("--record-stream", choices=("immediate", "until-sync"), default=None,
+                    help="--tensors sim only: when a freed block used on another stream (Tensor.record_stream) "
+                         "returns to its pool: immediate (default) or until the host next waits for that stream. "
+                         "Give each setting its own --out")
     ap.add_argument("--timeout", type=float, default=7200.0)
     ap.add_argument("--from", dest="from_dirs", default=None,
                     help="comma-separated result directories of earlier runs: print their table, run nothing")
     args = ap.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
+    if args.record_stream and args.tensors != "sim":
+        print("rlhfmem: error: --record-stream is modelled on the simulated CUDA device: it needs --tensors sim",
+              file=sys.stderr)
+        return 2
     if args.sdpa and args.tensors != "sim":
         print("rlhfmem: error: --sdpa chooses the simulated CUDA device's attention kernel: it needs --tensors sim",
               file=sys.stderr)
@@ -200,14 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout, args.tensors,
-                                                   args.sdpa), strategies):
+                                                   args.sdpa, args.record_stream), strategies):
             results.update(res)
     (out / "summary.json").write_text(json.dumps(
         {k: {kk: v.get(kk) for kk in ("status", "total", "peak_phase", "phases", "process_wall_s", "host_rss_peak",
                                       "adjustments", "placement", "recipe")} for k, v in results.items()}, indent=1))
     print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}, {args.tensors} tensors"
-          f"{', attention ' + args.sdpa if args.sdpa else ''}: SIMULATED (the recorded device trace replayed through "
-          "the allocator model), GiB")
+          f"{', attention ' + args.sdpa if args.sdpa else ''}"
+          f"{', record_stream ' + args.record_stream if args.record_stream else ''}: SIMULATED (the recorded device "
+          "trace replayed through the allocator model), GiB")
     print(table(results, strategies, args.models, overrides))
     print(phase_table(results, strategies, args.models, overrides))
     print(findings(results, args.models, overrides))

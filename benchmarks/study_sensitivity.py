@@ -1,0 +1,109 @@
+"""Which setting each of the study's findings hinges on: the study's scale, one row per setting (simulated).
+
+Runs ``study_scale.py`` (five strategies, each once with the after-inference flush marks and replayed without
+them) once per row of :data:`ROWS`, each into its own directory under ``--out``, and prints one markdown row per
+setting with one column per finding (``study_scale.finding_checks``): reproduced or not, with the figures. A row
+whose directory already holds a complete run is read, not run again (``--from-only`` never runs anything).
+
+    PYTHONPATH=. python benchmarks/study_sensitivity.py --out study-sensitivity [--rows scripts,he-off] [--jobs 2]
+
+Every figure is simulated (the fake-CUDA route's device trace replayed through the allocator model), GiB = 2**30 B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import study_scale  # noqa: E402
+
+# slug -> (what the row changes against DeepSpeed-Chat's run_1.3b.sh, scenario overrides, study_scale.py flags)
+ROWS: dict[str, tuple[str, dict, list[str]]] = {
+    "scripts": ("as `run_1.3b.sh` runs: Hybrid Engine, EMA, batch 4, actor dropout 0; math attention; "
+                "record_stream immediate", {}, []),
+    "he-off": ("Hybrid Engine off", {"hybrid_engine": False}, []),
+    "ema-off": ("EMA off", {"ema": False}, []),
+    "batch-2": ("generation and training batch 2 (the study's text)", {"batch_size": 2}, []),
+    "efficient": ("memory-efficient attention (output + logsumexp, no score matrix)", {}, ["--sdpa", "efficient"]),
+    "record-stream": ("record_stream's delayed reuse: each block used on another stream held until the host next "
+                      "waits for it (upper bound)", {}, ["--record-stream", "until-sync"]),
+}
+STRATEGIES = list(study_scale.STUDY)
+
+
+def load(directory: Path) -> dict[str, dict]:
+    """The result JSONs ``study_scale.py --out directory`` wrote, by scenario id."""
+    out = {}
+    for f in sorted(directory.glob("deepspeed-chat__*.json")):
+        r = json.loads(f.read_text())
+        out[r.get("scenario_id", f.stem)] = r
+    return out
+
+
+def complete(results: dict[str, dict], overrides: dict) -> bool:
+    return all(results.get(study_scale.study_scenario(s, f, overrides=overrides).id, {}).get("status") == "ok"
+               for s in STRATEGIES for f in ("none", "after-inference"))
+
+
+def cpu_seconds(results: dict[str, dict], overrides: dict) -> str:
+    """Process CPU seconds per strategy (what one unloaded core takes)."""
+    cells = []
+    for s in STRATEGIES:
+        r = results.get(study_scale.study_scenario(s, "after-inference", overrides=overrides).id, {})
+        cells.append(f"{r['process_cpu_s']:.0f}" if r.get("process_cpu_s") is not None else "-")
+    return " / ".join(cells)
+
+
+def row(slug: str, results: dict[str, dict]) -> str:
+    what, overrides, _ = ROWS[slug]
+    checks = study_scale.finding_checks(results, "opt-1.3b", overrides)
+    cells = []
+    for key in study_scale.FINDINGS:
+        if key not in checks:
+            cells.append("not run")
+            continue
+        ok, text = checks[key]
+        cells.append(f"{'**reproduced**' if ok else 'not reproduced'}: {text}")
+    return f"| {what} | " + " | ".join(cells) + f" | {cpu_seconds(results, overrides)} |"
+
+
+def table(rows: dict[str, dict[str, dict]]) -> str:
+    head = ("| setting | " + " | ".join(study_scale.FINDINGS[k].split(". ", 1)[1] for k in study_scale.FINDINGS)
+            + " | CPU s per strategy (" + " / ".join(STRATEGIES) + ") |")
+    return "\n".join([head, "|" + "---|" * (len(study_scale.FINDINGS) + 2)]
+                     + [row(slug, res) for slug, res in rows.items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="study_sensitivity.py")
+    ap.add_argument("--out", default="study-sensitivity")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--from-only", action="store_true", help="print the table of the runs under --out; run nothing")
+    args = ap.parse_args(argv)
+    slugs = [s for s in args.rows.split(",") if s]
+    unknown = [s for s in slugs if s not in ROWS]
+    if unknown:
+        print(f"rlhfmem: error: --rows: unknown {', '.join(unknown)}; valid: {', '.join(ROWS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    rows = {}
+    for slug in slugs:
+        _, overrides, flags = ROWS[slug]
+        d = out / slug
+        if not args.from_only and not complete(load(d), overrides):
+            cmd = ["--out", str(d), "--jobs", str(args.jobs), "--overrides", json.dumps(overrides)] + flags
+            print(f"== row {slug}: study_scale.py {' '.join(cmd)}", flush=True)
+            study_scale.main(cmd)
+        rows[slug] = load(d)
+    print("Which setting each finding hinges on (simulated, sim tensors, rank 0 of 4; GiB):")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
     python benchmarks/budget_tables.py cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
     python benchmarks/budget_tables.py methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
     python benchmarks/budget_tables.py flush-diff     # README: rlhfmem diff, flush after inference vs none
+    python benchmarks/budget_tables.py flush-diff-report  # docs/diff-flush-none-vs-after-inference.md
     python benchmarks/budget_tables.py mid-matrix     # README: the mid-size pair (methods_cpu_mid.yaml)
 
 Each block a document shows is fenced by ``<!-- generated: python benchmarks/budget_tables.py NAME -->`` and
@@ -122,7 +123,21 @@ def flush_diff() -> list[str]:
     return ["> " + ln if ln else ">" for ln in lines]
 
 
-TABLES = {"cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff, "mid-matrix": mid_matrix}
+def flush_diff_report() -> list[str]:
+    """The whole ``rlhfmem diff`` report (markdown) behind :func:`flush_diff`: every metric of every strategy."""
+    from pytest_rlhfmem.report import Side, diff, load_side, to_markdown, without_flush
+
+    side = load_side(BASELINES / "deepspeed_chat_cpu.yaml")
+
+    def policy(name: str) -> Side:
+        return without_flush(Side(f"flush-{name} entries of baselines/cpu/deepspeed_chat_cpu.yaml",
+                                  {k: v for k, v in side.scenarios.items() if f"/flush-{name}/" in k}))
+
+    return to_markdown(diff(policy("none"), policy("after-inference"))).rstrip("\n").splitlines()
+
+
+TABLES = {"cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff, "mid-matrix": mid_matrix,
+          "flush-diff-report": flush_diff_report}
 
 
 def main(argv: list[str]) -> int:

@@ -58,6 +58,16 @@ def run_strategy(strategy: str, out: Path, models: str, overrides: dict, timeout
     return res
 
 
+SUMMARY_KEYS = ("status", "total", "peak_phase", "phases", "process_wall_s", "process_cpu_s", "host_rss_peak",
+                "adjustments", "placement", "recipe", "capture", "capture_description", "flushes", "tensors", "route")
+
+
+def write_summary(out: Path, results: dict[str, dict]) -> None:
+    """``out/summary.json``: the figures of every result by scenario id (small enough to keep with the docs)."""
+    (out / "summary.json").write_text(json.dumps(
+        {k: {kk: v.get(kk) for kk in SUMMARY_KEYS} for k, v in sorted(results.items())}, indent=1) + "\n")
+
+
 def time_line(r: dict, wall: float | None = None) -> str:
     """The time one strategy took: the worker process's wall time and CPU time (CPU time is what an
     unloaded core would take), and the iteration's, with its generate phase."""
@@ -217,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     if args.from_dirs:
         for d in args.from_dirs.split(","):
-            for f in sorted(Path(d).glob("deepspeed-chat__*.json")):
+            files = sorted(Path(d).glob("deepspeed-chat__*.json"))
+            for f in files:
                 r = json.loads(f.read_text())
                 results[r.get("scenario_id", f.stem)] = r
+            if not files and (Path(d) / "summary.json").exists():  # what docs/study-runs/ keeps of a run
+                results.update(json.loads((Path(d) / "summary.json").read_text()))
         print(table(results, strategies, args.models, overrides))
         print(phase_table(results, strategies, args.models, overrides))
         print(findings(results, args.models, overrides))
@@ -229,9 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         for res in pool.map(lambda s: run_strategy(s, out, args.models, overrides, args.timeout, args.tensors,
                                                    args.sdpa, args.record_stream), strategies):
             results.update(res)
-    (out / "summary.json").write_text(json.dumps(
-        {k: {kk: v.get(kk) for kk in ("status", "total", "peak_phase", "phases", "process_wall_s", "host_rss_peak",
-                                      "adjustments", "placement", "recipe")} for k, v in results.items()}, indent=1))
+    write_summary(out, results)
     print(f"DeepSpeed-Chat, {args.models}, 4 ranks (rank 0), overrides {overrides or 'none'}, {args.tensors} tensors"
           f"{', attention ' + args.sdpa if args.sdpa else ''}"
           f"{', record_stream ' + args.record_stream if args.record_stream else ''}: SIMULATED (the recorded device "

@@ -36,26 +36,20 @@ STRATEGIES = list(study_scale.STUDY)
 
 
 def load(directory: Path) -> dict[str, dict]:
-    """The result JSONs ``study_scale.py --out directory`` wrote, by scenario id."""
+    """The result JSONs ``study_scale.py --out directory`` wrote, by scenario id; without them, its
+    ``summary.json`` (what ``docs/study-runs/`` keeps of a run)."""
     out = {}
     for f in sorted(directory.glob("deepspeed-chat__*.json")):
         r = json.loads(f.read_text())
         out[r.get("scenario_id", f.stem)] = r
+    if not out and (directory / "summary.json").exists():
+        out = json.loads((directory / "summary.json").read_text())
     return out
 
 
 def complete(results: dict[str, dict], overrides: dict) -> bool:
     return all(results.get(study_scale.study_scenario(s, f, overrides=overrides).id, {}).get("status") == "ok"
                for s in STRATEGIES for f in ("none", "after-inference"))
-
-
-def cpu_seconds(results: dict[str, dict], overrides: dict) -> str:
-    """Process CPU seconds per strategy (what one unloaded core takes)."""
-    cells = []
-    for s in STRATEGIES:
-        r = results.get(study_scale.study_scenario(s, "after-inference", overrides=overrides).id, {})
-        cells.append(f"{r['process_cpu_s']:.0f}" if r.get("process_cpu_s") is not None else "-")
-    return " / ".join(cells)
 
 
 def row(slug: str, results: dict[str, dict]) -> str:
@@ -68,13 +62,12 @@ def row(slug: str, results: dict[str, dict]) -> str:
             continue
         ok, text = checks[key]
         cells.append(f"{'**reproduced**' if ok else 'not reproduced'}: {text}")
-    return f"| {what} | " + " | ".join(cells) + f" | {cpu_seconds(results, overrides)} |"
+    return f"| {what} | " + " | ".join(cells) + " |"
 
 
 def table(rows: dict[str, dict[str, dict]]) -> str:
-    head = ("| setting | " + " | ".join(study_scale.FINDINGS[k].split(". ", 1)[1] for k in study_scale.FINDINGS)
-            + " | CPU s per strategy (" + " / ".join(STRATEGIES) + ") |")
-    return "\n".join([head, "|" + "---|" * (len(study_scale.FINDINGS) + 2)]
+    head = "| setting | " + " | ".join(study_scale.FINDINGS[k].split(". ", 1)[1] for k in study_scale.FINDINGS) + " |"
+    return "\n".join([head, "|" + "---|" * (len(study_scale.FINDINGS) + 1)]
                      + [row(slug, res) for slug, res in rows.items()])
 
 

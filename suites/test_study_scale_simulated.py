@@ -1,11 +1,12 @@
 """The study's DeepSpeed-Chat scale without a GPU (opt-in: ``tox -e study-sim``; about 10 minutes on 2 cores).
 
-OPT-1.3b actor/reference + OPT-350m critic/reward, LoRA 128, batch 2, prompt 256 + answer 256, fp16,
-4 ranks (rank 0 on a fake process group), on the fake-CUDA route (``pytest_rlhfmem/fakecuda``) with the
-simulated CUDA device's tensors (``tensors="sim"``): every figure is simulated (the device's allocation log
-replayed through the allocator model). Each strategy runs once with the after-inference flush marks; its
-flush-none cell replays the same trace without them. Measured: 543 s wall for the five strategies, two at
-a time, at 190-201 s of CPU per ZeRO-3 worker and 81-82 s for none and ZeRO-2.
+OPT-1.3b actor/reference + OPT-350m critic/reward, LoRA 128, prompt 256 + answer 256, fp16, 4 ranks (rank 0
+on a fake process group), run as DeepSpeed-Chat's ``run_1.3b.sh`` runs it (the pair's defaults: batch 4, the
+Hybrid Engine, EMA, actor dropout 0; ``rlhf/deepspeed_chat/configs.py``), on the fake-CUDA route
+(``pytest_rlhfmem/fakecuda``) with the simulated CUDA device's tensors (``tensors="sim"``): every figure is
+simulated (the device's allocation log replayed through the allocator model). Each strategy runs once with
+the after-inference flush marks; its flush-none cell replays the same trace without them. Measured (the run at
+``431dfa5``): 90-91 s of CPU for none and ZeRO-2, 220 s ZeRO-3, 235 s ZeRO-3 + offload, 189 s all.
 
 ``RLHFMEM_STUDY_SIM_RESULTS=DIR`` reuses the result JSONs that ``benchmarks/study_scale.py --out DIR``
 wrote instead of running again.
@@ -26,11 +27,12 @@ STRATEGIES = ("none", "zero2", "zero3", "zero3-offload", "all")
 # fragmentation at peak, peak allocated, peak phase); the flush runs' allocated figure is not tabulated (None).
 GiB = 2**30
 PINNED = {
-    "none": {"none": (17.9, 3.2, 16.0, "train_actor"), "after-inference": (19.5, 3.9, None, "train_critic")},
-    "zero2": {"none": (14.8, 5.0, 12.2, "train_critic"), "after-inference": (14.9, 5.2, None, "train_critic")},
-    "zero3": {"none": (14.9, 9.3, 10.5, "train_critic"), "after-inference": (14.7, 9.1, None, "train_critic")},
-    "zero3-offload": {"none": (11.4, 8.7, 8.2, "train_critic"), "after-inference": (11.2, 8.6, None, "train_critic")},
-    "all": {"none": (5.3, 2.7, 2.8, "train_critic"), "after-inference": (5.2, 2.6, None, "train_critic")},
+    "none": {"none": (23.1, 6.5, 21.9, "train_actor"), "after-inference": (25.8, 7.5, None, "train_critic")},
+    "zero2": {"none": (21.0, 8.6, 17.9, "train_critic"), "after-inference": (21.3, 8.8, None, "train_critic")},
+    "zero3": {"none": (18.7, 12.5, 14.2, "train_critic"), "after-inference": (18.6, 12.3, None, "train_critic")},
+    "zero3-offload": {"none": (14.7, 12.0, 11.2, "train_critic"),
+                      "after-inference": (14.4, 11.8, None, "train_critic")},
+    "all": {"none": (6.7, 4.1, 3.2, "train_critic"), "after-inference": (5.9, 3.3, None, "train_critic")},
 }
 _cache: dict[str, dict] = {}
 
@@ -66,7 +68,9 @@ def test_study_scale_iteration_runs(strategy, flush, work_dir, record_property):
     r = _result(strategy, flush, work_dir)
     assert r["status"] == "ok", r.get("error")
     assert r["capture"] == "sim-cuda-simulated" and r["simulated"] is True
-    assert r["recipe"]["sequence_shape"] == [2, 512] and r["recipe"]["dtype"] == "float16"
+    assert r["recipe"]["sequence_shape"] == [4, 512] and r["recipe"]["dtype"] == "float16"
+    recipe = r["recipe"]  # what run_1.3b.sh passes
+    assert (recipe["hybrid_engine"], recipe["ema"], recipe["actor_dropout"]) == ("DeepSpeedHybridEngine", True, 0.0)
     assert r["adjustments"]["cublas_workspace"]["count"] >= 2
     # the recipe's offload annotations name host tensors: none of them may be a device tensor
     assert r["placement"]["annotated_host_bytes_on_cuda"] == 0

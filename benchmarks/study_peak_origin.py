@@ -15,18 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pytest_rlhfmem.fakecuda.worker import POLICY_FLUSH  # noqa: E402
-from pytest_rlhfmem.memory.events import FLUSH, Trace  # noqa: E402
+from pytest_rlhfmem.fakecuda.worker import without_policy_flushes  # noqa: E402
 from pytest_rlhfmem.memory.peak_origin import peak_origin  # noqa: E402
 from pytest_rlhfmem.memory.replay import replay  # noqa: E402
 from pytest_rlhfmem.memory.trace_io import load_trace  # noqa: E402
 
 GIB = 2**30
-
-
-def without_policy_flushes(trace: Trace) -> Trace:
-    return Trace(events=[e for e in trace.events if e.action != FLUSH or not e.name.startswith(POLICY_FLUSH)],
-                 capture=trace.capture, source=trace.source)
 
 
 def describe(path: Path) -> list[str]:

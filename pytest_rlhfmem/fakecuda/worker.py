@@ -57,6 +57,15 @@ def _write(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
+
+def without_policy_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
+    """``trace`` without the flush policy's FLUSH marks (``after-<phase>``): the run's flush-none trace.
+    DeepSpeed's own ``empty_cache()`` calls stay, as they would in a run without the policy."""
+    from ..memory.trace import FLUSH, Trace
+
+    return Trace(events=[e for e in trace.events if e.action != FLUSH or not e.name.startswith(POLICY_FLUSH)],
+                 capture=trace.capture, source=trace.source)
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pytest_rlhfmem.fakecuda.worker")
     ap.add_argument("--scenario", required=True, help="scenario JSON")
@@ -160,13 +169,9 @@ def main(argv: list[str] | None = None) -> int:
 
         save_trace(Path(args.out).with_suffix(".rlhftrace"), trace)
     if args.without_flush_out:
-        from ..memory.trace import FLUSH, Trace
-
         plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
         t1 = time.perf_counter()
-        # only the flush policy's marks ("after-<phase>"); DeepSpeed's own empty_cache() calls stay
-        trace = Trace(events=[e for e in trace.events if e.action != FLUSH or not e.name.startswith(POLICY_FLUSH)],
-                      capture=trace.capture, source=trace.source)
+        trace = without_policy_flushes(trace)
         other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
         other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
                      derived_from=f"{scenario.id}: same trace, FLUSH events removed")

@@ -68,6 +68,18 @@ def write_summary(out: Path, results: dict[str, dict]) -> None:
         {k: {kk: v.get(kk) for kk in SUMMARY_KEYS} for k, v in sorted(results.items())}, indent=1) + "\n")
 
 
+def load_run(directory: Path) -> dict[str, dict]:
+    """The results one ``--out directory`` holds, by scenario id: its result JSONs, or without them its
+    ``summary.json`` (what ``docs/study-runs/`` keeps of a run)."""
+    out = {}
+    for f in sorted(directory.glob("deepspeed-chat__*.json")):
+        r = json.loads(f.read_text())
+        out[r.get("scenario_id", f.stem)] = r
+    if not out and (directory / "summary.json").exists():
+        out = json.loads((directory / "summary.json").read_text())
+    return out
+
+
 def time_line(r: dict, wall: float | None = None) -> str:
     """The time one strategy took: the worker process's wall time and CPU time (CPU time is what an
     unloaded core would take), and the iteration's, with its generate phase."""
@@ -227,12 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     if args.from_dirs:
         for d in args.from_dirs.split(","):
-            files = sorted(Path(d).glob("deepspeed-chat__*.json"))
-            for f in files:
-                r = json.loads(f.read_text())
-                results[r.get("scenario_id", f.stem)] = r
-            if not files and (Path(d) / "summary.json").exists():  # what docs/study-runs/ keeps of a run
-                results.update(json.loads((Path(d) / "summary.json").read_text()))
+            results.update(load_run(Path(d)))
         print(table(results, strategies, args.models, overrides))
         print(phase_table(results, strategies, args.models, overrides))
         print(findings(results, args.models, overrides))

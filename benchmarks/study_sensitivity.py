@@ -35,18 +35,6 @@ ROWS: dict[str, tuple[str, dict, list[str]]] = {
 STRATEGIES = list(study_scale.STUDY)
 
 
-def load(directory: Path) -> dict[str, dict]:
-    """The result JSONs ``study_scale.py --out directory`` wrote, by scenario id; without them, its
-    ``summary.json`` (what ``docs/study-runs/`` keeps of a run)."""
-    out = {}
-    for f in sorted(directory.glob("deepspeed-chat__*.json")):
-        r = json.loads(f.read_text())
-        out[r.get("scenario_id", f.stem)] = r
-    if not out and (directory / "summary.json").exists():
-        out = json.loads((directory / "summary.json").read_text())
-    return out
-
-
 def complete(results: dict[str, dict], overrides: dict) -> bool:
     return all(results.get(study_scale.study_scenario(s, f, overrides=overrides).id, {}).get("status") == "ok"
                for s in STRATEGIES for f in ("none", "after-inference"))
@@ -88,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     for slug in slugs:
         _, overrides, flags = ROWS[slug]
         d = out / slug
-        if not args.from_only and not complete(load(d), overrides):
+        if not args.from_only and not complete(study_scale.load_run(d), overrides):
             cmd = ["--out", str(d), "--jobs", str(args.jobs), "--overrides", json.dumps(overrides)] + flags
             print(f"== row {slug}: study_scale.py {' '.join(cmd)}", flush=True)
             study_scale.main(cmd)
-        rows[slug] = load(d)
+        rows[slug] = study_scale.load_run(d)
     print("Which setting each finding hinges on (simulated, sim tensors, rank 0 of 4; GiB):")
     print(table(rows))
     return 0

@@ -251,28 +251,8 @@ def test_advice_on_real_snapshots(name, tmp_path):
     assert not any(n["setting"] == "expandable_segments:True" for n in s["not_evaluated"])
 
 
-PLUGIN_TEST = """
-def test_step(ppo_iteration, memory_budget):
-    memory_budget.check(ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none",
-                                      flush="none", world_size=1, device="cpu"))
-"""
-
-
-def test_plugin_adds_the_advice_to_an_over_budget_failure(pytester):
-    pytester.makepyfile(test_step=PLUGIN_TEST)
-    pytester.runpytest_subprocess("--rlhfmem-update-baselines").assert_outcomes(passed=1)
-    budget = pytester.path / "baselines" / "cpu" / "step.yaml"
-    text = budget.read_text()
-    import yaml
-
-    data = yaml.safe_load(text)
-    entry = next(iter(data["entries"].values()))
-    entry["metrics"]["peak_reserved"] = "8 MiB"  # far below: nothing fits, the advisor says so
-    budget.write_text(yaml.safe_dump(data))
-    r = pytester.runpytest_subprocess("--rlhfmem-advise", "--rlhfmem-report", "report.md")
-    r.assert_outcomes(failed=1)
-    r.stdout.fnmatch_lines(["*over its memory budget*", "*rlhfmem advise: no evaluated change fits 8.00 MiB*"])
-    assert "What to try" in (pytester.path / "report.md").read_text()
+# --rlhfmem-advise in a real session (the advice in an over-budget failure and in the report):
+# tests/test_plugin_budgets.py::test_users_own_test_update_check_and_lowered_budget, step 4.
 
 
 def test_greedy_search_finds_a_two_flush_set_no_single_flush_reaches(tmp_path):

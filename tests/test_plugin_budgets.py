@@ -23,44 +23,42 @@ def _budget(pytester):
 
 
 def test_users_own_test_update_check_and_lowered_budget(pytester):
+    """Four sessions, as a user meets them: no budget yet, the update (beside a teammate's entry it must keep),
+    within budget, and over a lowered budget with the advice and the per-PR report."""
     pytester.makepyfile(test_my_rlhf=USER_TEST)
     # 1. no baseline yet: fails, says which command creates it
     r = pytester.runpytest_subprocess()
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines([f"*no baseline file*my_rlhf.yaml for {SCENARIO}; create it with: "
                             "pytest test_my_rlhf.py --rlhfmem-update-baselines*"])
-    # 2. update: writes the file and passes
+    # 2. update beside an entry no collected test produces: writes this scenario's entry, keeps the other and
+    #    lists it as stale (the count of updated/unchanged entries: tests/test_budget_file.py)
+    other = "deepspeed-chat/tiny-opt/zero1/flush-none/x1"
+    _budget(pytester).parent.mkdir(parents=True)
+    _budget(pytester).write_text(yaml.safe_dump({"entries": {other: {"metrics": {"peak_reserved": "1 GiB"}}}}))
     r = pytester.runpytest_subprocess("--rlhfmem-update-baselines")
     r.assert_outcomes(passed=1)
-    r.stdout.fnmatch_lines(["*my_rlhf.yaml: 0 updated, 1 new, 0 unchanged*"])
+    r.stdout.fnmatch_lines(["*my_rlhf.yaml: 0 updated, 1 new, 0 unchanged*",
+                            f"*1 stale entries (no collected test produces them): {other}*"])
     data = yaml.safe_load(_budget(pytester).read_text())
+    assert set(data["entries"]) == {SCENARIO, other}
     entry = data["entries"][SCENARIO]
     assert entry["capture"] == "cpu-trace-simulated" and entry["device"] == "cpu"
     assert entry["metrics"]["peak_reserved"].endswith("iB")  # a size with a unit
     assert entry["metrics"]["host_anon_growth"].endswith("iB") and "host_rss_growth" not in entry["metrics"]
     assert entry["host_cpu"]["aten_cpu_capability"] and "cpu_model" in entry["host_cpu"]  # what could move a figure
     assert "deepspeed_dtype_checks" in entry["capture_description"]  # fp16 on any CPU, said in every result
-    # 3. a partial update keeps entries it did not produce; a whole-suite run lists them as stale
-    data["entries"]["deepspeed-chat/tiny-opt/zero1/flush-none/x1"] = {"metrics": {"peak_reserved": "1 GiB"}}
-    _budget(pytester).write_text(yaml.safe_dump(data))
-    r = pytester.runpytest_subprocess("--rlhfmem-update-baselines")
-    r.assert_outcomes(passed=1)
-    r.stdout.fnmatch_lines(["*my_rlhf.yaml: * updated, 0 new, * unchanged*",
-                            "*1 stale entries (no collected test produces them): "
-                            "deepspeed-chat/tiny-opt/zero1/flush-none/x1*"])
-    kept = yaml.safe_load(_budget(pytester).read_text())["entries"]
-    assert set(kept) == {SCENARIO, "deepspeed-chat/tiny-opt/zero1/flush-none/x1"}
-    # 4. within budget: passes, the summary table shows it
+    # 3. within budget: passes, the summary table shows it
     r = pytester.runpytest_subprocess()
     r.assert_outcomes(passed=1)
     r.stdout.fnmatch_lines(["*rlhfmem: memory per scenario*", f"{SCENARIO}*simulated*ok*"])
-    # 5. lower the budget: fails with the table and the phase of the peak; a budget recorded on another CPU
-    #    (here: one that dispatched to a made-up ISA) is named in the failure
-    data = yaml.safe_load(_budget(pytester).read_text())
-    data["entries"][SCENARIO]["metrics"]["peak_reserved"] = "8 MiB"
+    # 4. lower the budget: fails with the table and the phase of the peak; a budget recorded on another CPU
+    #    (here: one that dispatched to a made-up ISA) is named in the failure; --rlhfmem-advise adds rlhfmem
+    #    advise's answer from the run's own trace to the failure and the report
+    data["entries"][SCENARIO]["metrics"]["peak_reserved"] = "8 MiB"  # far below: nothing fits, the advisor says so
     data["entries"][SCENARIO]["host_cpu"]["aten_cpu_capability"] = "OTHER-ISA"
     _budget(pytester).write_text(yaml.safe_dump(data))
-    r = pytester.runpytest_subprocess()
+    r = pytester.runpytest_subprocess("--rlhfmem-advise", "--rlhfmem-report", "report.md")
     r.assert_outcomes(failed=1)
     r.stdout.fnmatch_lines([f"*{SCENARIO} is over its memory budget (simulated*",
                             "*peak reserved reached in phase: *",
@@ -68,6 +66,8 @@ def test_users_own_test_update_check_and_lowered_budget(pytester):
                             "*peak_reserved*8.00 MiB*OVER BUDGET*",
                             "*this host differs from the budget's (this run vs budget): "
                             "aten_cpu_capability: * vs OTHER-ISA*"])
+    r.stdout.fnmatch_lines(["*rlhfmem advise: no evaluated change fits 8.00 MiB*"])
+    assert "What to try" in (pytester.path / "report.md").read_text()
 
 
 MALFORMED = {

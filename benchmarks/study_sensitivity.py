@@ -3,7 +3,7 @@
 Runs ``study_scale.py`` (five strategies, each once with the after-inference flush marks and replayed without
 them) once per row of :data:`ROWS`, each into its own directory under ``--out``, and prints one markdown row per
 setting with one column per finding (``study_scale.finding_checks``): reproduced or not, with the figures. A row
-whose directory already holds a complete run is read, not run again (``--from-only`` never runs anything).
+whose directory already holds results runs only its missing strategies (``--from-only`` never runs anything).
 
     PYTHONPATH=. python benchmarks/study_sensitivity.py --out study-sensitivity [--rows scripts,he-off] [--jobs 2]
 
@@ -35,9 +35,11 @@ ROWS: dict[str, tuple[str, dict, list[str]]] = {
 STRATEGIES = list(study_scale.STUDY)
 
 
-def complete(results: dict[str, dict], overrides: dict) -> bool:
-    return all(results.get(study_scale.study_scenario(s, f, overrides=overrides).id, {}).get("status") == "ok"
-               for s in STRATEGIES for f in ("none", "after-inference"))
+def missing_strategies(results: dict[str, dict], overrides: dict) -> list[str]:
+    """The strategies of a row without an ``ok`` result for both flush policies: what a resumed row runs."""
+    return [s for s in STRATEGIES
+            if any(results.get(study_scale.study_scenario(s, f, overrides=overrides).id, {}).get("status") != "ok"
+                   for f in ("none", "after-inference"))]
 
 
 def row(slug: str, results: dict[str, dict]) -> str:
@@ -76,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     for slug in slugs:
         _, overrides, flags = ROWS[slug]
         d = out / slug
-        if not args.from_only and not complete(study_scale.load_run(d), overrides):
-            cmd = ["--out", str(d), "--jobs", str(args.jobs), "--overrides", json.dumps(overrides)] + flags
+        missing = missing_strategies(study_scale.load_run(d), overrides)
+        if not args.from_only and missing:
+            cmd = ["--out", str(d), "--jobs", str(args.jobs), "--overrides", json.dumps(overrides),
+                   "--strategies", ",".join(missing)] + flags
             print(f"== row {slug}: study_scale.py {' '.join(cmd)}", flush=True)
             study_scale.main(cmd)
+            study_scale.write_summary(d, study_scale.load_run(d))  # the row's summary holds its earlier strategies too
         rows[slug] = study_scale.load_run(d)
     print("Which setting each finding hinges on (simulated, sim tensors, rank 0 of 4; GiB):")
     print(table(rows))

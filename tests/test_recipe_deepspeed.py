@@ -138,6 +138,11 @@ def test_the_study_pair_runs_what_its_deepspeed_chat_script_runs():
     tiny = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2)
     assert [ppo_setting(tiny, k) for k in ("batch_size", "hybrid_engine", "ema", "actor_dropout")] == [
         2, False, False, None]
+    # the methods (Hydra-PPO, ReMax, GRPO) run beside PPO at PPO's batch
+    from pytest_rlhfmem.rlhf.deepspeed_chat.configs import scenario_settings
+
+    assert scenario_settings(Scenario("deepspeed-chat", "opt-1.3b", "hydra", "none", 4), "cpu")["batch"] == 4
+    assert scenario_settings(Scenario("deepspeed-chat", "tiny-opt", "hydra", "none", 2), "cpu")["batch"] == 2
     import torch
 
     cfg = get_train_ds_config(3, False, torch.float16, 4, 4, None, hybrid_engine_max_out_tokens=512)

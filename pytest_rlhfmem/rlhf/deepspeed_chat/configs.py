@@ -214,10 +214,11 @@ def _precision(dtype: torch.dtype) -> dict:
 
 
 def scenario_settings(scenario: Scenario, device: str) -> dict[str, Any]:
-    """The model pair, dtype, batch (prompts per rank), prompt and answer lengths and LoRA rank the scenario
-    asks for (the pair's defaults otherwise)."""
+    """The model pair, dtype, batch (prompts per rank: :func:`ppo_setting`'s, so a method runs the batch PPO
+    runs beside it), prompt and answer lengths and LoRA rank the scenario asks for (the pair's defaults
+    otherwise)."""
     pair = get_pair(scenario.models)
-    return {"pair": pair, "dtype": resolve_dtype(scenario, device), "batch": scenario.get("batch_size", 2),
+    return {"pair": pair, "dtype": resolve_dtype(scenario, device), "batch": ppo_setting(scenario, "batch_size"),
             "prompt_len": scenario.get("prompt_len", pair.prompt_len),
             "answer_len": scenario.get("answer_len", pair.answer_len),
             "lora_dim": scenario.get("lora_dim", pair.lora_dim)}

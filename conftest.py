@@ -33,16 +33,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("scenario", params)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n N --dist loadgroup``, as ``tox -e py`` runs), every test that shares the
-    session's iterations (``benchmarked_iteration``, ``iteration_result``) goes to one worker, so each scenario
-    still runs once per session. A module with a module-scoped fixture marks itself the same way
-    (``pytestmark = pytest.mark.xdist_group(...)``: tests/test_reports.py)."""
-    for item in items:
-        if {"benchmarked_iteration", "iteration_result"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("iterations"))
-
-
 _RESULTS = pytest.StashKey[dict]()
 
 

@@ -11,8 +11,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SUITE = REPO / "suites" / "test_deepspeed_chat_cpu.py"
-# under pytest-xdist (tox -e py) every test of this module runs on one worker, so `sessions` is made once
-pytestmark = pytest.mark.xdist_group("reports")
 
 
 def pytest_session(out: Path, k: str, *extra: str) -> subprocess.CompletedProcess:

@@ -78,14 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     for slug in slugs:
         _, overrides, flags = ROWS[slug]
         d = out / slug
-        missing = missing_strategies(study_scale.load_run(d), overrides)
+        results = study_scale.load_run(d)
+        missing = missing_strategies(results, overrides)
         if not args.from_only and missing:
             cmd = ["--out", str(d), "--jobs", str(args.jobs), "--overrides", json.dumps(overrides),
                    "--strategies", ",".join(missing)] + flags
             print(f"== row {slug}: study_scale.py {' '.join(cmd)}", flush=True)
             study_scale.main(cmd)
-            study_scale.write_summary(d, study_scale.load_run(d))  # the row's summary holds its earlier strategies too
-        rows[slug] = study_scale.load_run(d)
+            results = study_scale.load_run(d)
+            study_scale.write_summary(d, results)  # the row's summary holds its earlier strategies too
+        rows[slug] = results
     print("Which setting each finding hinges on (simulated, sim tensors, rank 0 of 4; GiB):")
     print(table(rows))
     return 0

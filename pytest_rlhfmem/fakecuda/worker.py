@@ -57,7 +57,6 @@ def _write(path: Path, obj: dict) -> None:
     tmp.replace(path)
 
 
-
 def without_policy_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
     """``trace`` without the flush policy's FLUSH marks (``after-<phase>``): the run's flush-none trace.
     DeepSpeed's own ``empty_cache()`` calls stay, as they would in a run without the policy."""
@@ -65,6 +64,7 @@ def without_policy_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
 
     return Trace(events=[e for e in trace.events if e.action != FLUSH or not e.name.startswith(POLICY_FLUSH)],
                  capture=trace.capture, source=trace.source)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pytest_rlhfmem.fakecuda.worker")

@@ -95,6 +95,33 @@ def test_empty_cache_keeps_partly_used_segments():
     assert m.stats.reserved_bytes == 0
 
 
+def test_a_record_stream_block_leaves_the_stats_at_its_free_and_its_pool_at_the_completion():
+    """CUDACachingAllocator.cpp ``free``: a block with ``stream_uses`` drops ``allocated_bytes`` at once and goes
+    to ``insert_events``; ``process_events`` -> ``free_block`` returns it later. Meanwhile it is not reused, not
+    merged, its segment not released, and ``_snapshot()`` shows it ``active_pending_free``."""
+    m = model()
+    a, b = m.malloc(4 * MiB), m.malloc(4 * MiB)  # one 20 MiB segment: a, b and 12 MiB free after them
+    base = a.address
+    m.request_free(a)
+    assert (m.stats.allocated_bytes, m.stats.requested_bytes) == (4 * MiB, 4 * MiB)
+    c = m.malloc(4 * MiB)  # best fit would take a's 4 MiB block at the lowest address if it were back
+    assert c.address != base
+    m.free(b)
+    m.empty_cache()  # b's block merged with the free tail, but a and c hold the segment
+    assert m.stats.reserved_bytes == 20 * MiB
+    (seg,) = m.snapshot_segments()
+    states = [blk["state"] for blk in seg["blocks"]]
+    assert states == ["active_pending_free", "inactive", "active_allocated", "inactive"]
+    assert (seg["allocated_size"], seg["active_size"]) == (4 * MiB, 8 * MiB)
+    m.check_invariants()
+    with pytest.raises(ValueError, match="double free"):
+        m.request_free(a)
+    m.free(a)  # the completion: the stats do not drop twice
+    assert m.stats.allocated_bytes == 4 * MiB
+    assert m.malloc(4 * MiB).address == base  # back in the pool: best fit's lowest address
+    m.check_invariants()
+
+
 @pytest.mark.parametrize(
     "conf, fragment",
     [

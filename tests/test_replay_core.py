@@ -2,7 +2,8 @@
 (memory/allocator.py + replay.py), the reference it mirrors.
 
 Random traces (allocations of every size class on two streams, LIFO-ish and random frees, flushes, phases,
-recorded cudaFree batches, requests past a device capacity, blocks live before the trace began) under
+recorded cudaFree batches, requests past a device capacity, blocks live before the trace began, record_stream's
+held blocks: a FREE_REQUESTED, its FREE later) under
 random allocator settings must give IDENTICAL results from both engines: every WindowMetrics field of
 the iteration and of every phase, the cudaMalloc/cudaFree decision sequence (addresses and sizes), the
 flushes, the end state's byte counts. So must every real GPU snapshot the compiled engine accepts.
@@ -29,8 +30,8 @@ from pytest_rlhfmem.memory.replay_engine import (
 from pytest_rlhfmem.memory.replay import recorded_summary
 from pytest_rlhfmem.memory.replay_types import ReplayError
 from pytest_rlhfmem.memory.trace import (
-    ALLOC, FLUSH, FREE, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
-    Event, SegmentState, Trace, load_snapshot, trace_from_snapshot,
+    ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
+    SEGMENT_FREE, Event, SegmentState, Trace, load_snapshot, trace_from_snapshot,
 )
 from tests.helpers import shared_snapshot
 
@@ -62,7 +63,7 @@ sizes = st.one_of(
     st.sampled_from([2 * MiB, 20 * MiB, 21 * MiB, 64 * MiB, 96 * MiB]),  # around the thresholds
 )
 OPS = ["alloc"] * 6 + ["free"] * 5 + ["flush", "phase", "phase_end", "segment_free_batch", "oom", "free_unknown",
-                                      "free_model_address", "segment_alloc"]
+                                      "free_model_address", "segment_alloc", "free_requested", "free_held"]
 ops = st.lists(st.tuples(st.sampled_from(OPS), sizes, st.integers(0, 10**6), st.integers(0, 1)),
                min_size=1, max_size=250)
 
@@ -100,9 +101,16 @@ def build_trace(ops_list, with_initial: bool | str) -> Trace:
     an entered pool, POOL_RELEASE (the MemPool destroyed). A released id is entered again one time in four
     (a pool forgotten, or revived while it still holds memory: the paths where ``use_count`` and
     ``cudaMalloc_count`` show). About one marker in 61 breaks the rules (entering a pool twice, exiting one not
-    entered, releasing an unknown or released id), which both engines must refuse alike."""
+    entered, releasing an unknown or released id), which both engines must refuse alike.
+
+    ``Tensor.record_stream``: FREE_REQUESTED of a live block (one live before the trace too) holds it until a
+    later ``free_held`` op's FREE (the oldest held block, or a random one); about one request in 61 repeats one
+    for a held block (a double free both engines refuse), one of an unknown address is unmatched, and blocks
+    still held at the end stay held one trace in two (their bytes out of final_allocated, their segments
+    kept)."""
     events: list[Event] = []
     live: list[int] = []
+    held: list[int] = []  # FREE_REQUESTED, FREE not yet emitted
     next_addr = 1 << 30
     phase = 0
     t = 0
@@ -132,11 +140,25 @@ def build_trace(ops_list, with_initial: bool | str) -> Trace:
             events.append(Event(FREE, pool.pop(i), 0, stream, t))
         elif op == "free_unknown":
             events.append(Event(FREE, 7 + r, 0, stream, t))  # never allocated: unmatched
+        elif op == "free_requested":  # record_stream: the program frees a block another stream still uses
+            if breaks and held:
+                events.append(Event(FREE_REQUESTED, held[r % len(held)], 0, stream, t))  # requested twice
+            elif live or live_before:
+                pool = live_before if (live_before and r % 5 == 0) or not live else live
+                addr = pool.pop(r % len(pool))
+                events.append(Event(FREE_REQUESTED, addr, 0, stream, t))
+                held.append(addr)
+            else:
+                events.append(Event(FREE_REQUESTED, 7 + r, 0, stream, t))  # never allocated: unmatched
+        elif op == "free_held" and held:  # the other streams are done: the block goes back to its pool
+            events.append(Event(FREE, held.pop(0 if r % 2 else r % len(held)), 0, stream, t))
         elif op == "free_model_address" and with_initial:
             # an address inside a segment that existed before the trace: it may name a block the model
             # placed there (found through active_blocks), so a later free of its recorded address is a
             # double free, which both engines must refuse
-            events.append(Event(FREE, 0x1000_0000 + (r % 40) * 512 * 1024, 0, stream, t))
+            # (a request there one time in five: it may hold a block the trace frees or requests later)
+            events.append(Event(FREE_REQUESTED if r % 5 == 0 else FREE, 0x1000_0000 + (r % 40) * 512 * 1024, 0,
+                                stream, t))
         elif op == "flush":
             events.append(Event(FLUSH, time_us=t, name=f"flush{r % 3}"))
         elif op == "phase":
@@ -176,6 +198,8 @@ def build_trace(ops_list, with_initial: bool | str) -> Trace:
                 continue
             events.append(Event(POOL_RELEASE, pid[0], pid[1], 0, t))
             retired.add(pid)
+    if held and ops_list[-1][2] % 2:  # complete the held blocks (else they stay held at the end)
+        events.extend(Event(FREE, addr, 0, 0, t) for addr in held)
     return Trace(events=events, initial_segments=initial)
 
 
@@ -200,6 +224,9 @@ def test_compiled_core_equals_python_model_on_random_traces(ops_list, conf, capa
           f"unmaps {'>0' if py.segment_unmaps else '0'}")
     if mode == ANCHORED and any((1 << 41) <= a < (1 << 56) for a, _ in py.segment_allocs):
         event("anchored: a segment took a recorded address")
+    if any(e.action == FREE_REQUESTED for e in trace.events):
+        still_held = any(b.held for b in py.model.active_blocks.values())
+        event(f"record_stream: blocks held {'at the end' if still_held else 'then freed'}")
     assert_same(py, cc)
 
 
@@ -326,6 +353,52 @@ def test_compiled_core_pool_corner_cases(mode, conf):
 
 
 @needs_gxx
+@pytest.mark.parametrize("mode", [FREE_RUNNING, ANCHORED])
+def test_record_stream_held_block_in_both_engines(mode):
+    """``Tensor.record_stream``: a 20 MiB block filling its segment is freed by the program (FREE_REQUESTED)
+    while another stream still uses it. Its bytes leave allocated at once, but it stays out of the pool: the
+    next 20 MiB allocation takes a new cudaMalloc (allocated 20 MiB then, not 40: the "held" phase's peak).
+    After its FREE a third 20 MiB allocation reuses the cached block: no third segment. Both engines alike."""
+    events = [Event(PHASE, time_us=0, name="held"), Event(ALLOC, 1, 20 * MiB, 0, 1),
+              Event(FREE_REQUESTED, 1, 0, 0, 2), Event(ALLOC, 2, 20 * MiB, 0, 3),
+              Event(PHASE, time_us=4, name="completed"), Event(FREE, 1, 0, 0, 4), Event(ALLOC, 3, 20 * MiB, 0, 5)]
+    py = replay(Trace(events=events), mode=mode, record_series=False)
+    cc = replay(Trace(events=events), mode=mode, record_series=False, engine=COMPILED)
+    assert cc.engine_reason == f"{mode}, no private pools"
+    for r in (py, cc):
+        assert len(r.segment_allocs) == 2 and all(s == 20 * MiB for _, s in r.segment_allocs)
+        held, completed = r.phases
+        assert (held.peak_allocated, held.peak_reserved, held.cuda_malloc_count) == (20 * MiB, 40 * MiB, 2)
+        assert (completed.peak_allocated, completed.peak_reserved, completed.cuda_malloc_count) == (
+            40 * MiB, 40 * MiB, 0)
+        assert (r.total.peak_allocated, r.total.peak_reserved) == (40 * MiB, 40 * MiB)
+        assert (r.final_reserved, r.final_allocated, r.final_requested) == (40 * MiB, 40 * MiB, 40 * MiB)
+    assert_same(py, cc)
+
+    # the trace ends while the block is held: out of allocated and requested, its segment still reserved and
+    # unreleasable (a flush returns nothing), the snapshot's state active_pending_free
+    pending = Trace(events=events[1:4] + [Event(FLUSH, time_us=4, name="flush")])
+    py = replay(pending, mode=mode, record_series=False)
+    cc = replay(pending, mode=mode, record_series=False, engine=COMPILED)
+    for r in (py, cc):
+        assert (r.total.peak_allocated, r.total.peak_reserved, len(r.segment_allocs)) == (20 * MiB, 40 * MiB, 2)
+        assert (r.final_reserved, r.final_allocated, r.final_requested) == (40 * MiB, 20 * MiB, 20 * MiB)
+        assert r.flushes[0]["released_bytes"] == 0 and not r.segment_free_batches
+    assert_same(py, cc)
+    py.model.check_invariants()
+    segs = py.model.snapshot_segments()
+    assert [(s["allocated_size"], s["active_size"], [b["state"] for b in s["blocks"]]) for s in segs] == [
+        (0, 20 * MiB, ["active_pending_free"]), (20 * MiB, 20 * MiB, ["active_allocated"])]
+
+    # a second request for the held block: a double free in both
+    twice = Trace(events=events[1:4] + [Event(FREE_REQUESTED, 1, 0, 0, 4)])
+    with pytest.raises(ValueError, match="double free"):
+        replay(twice, mode=mode, record_series=False)
+    with pytest.raises(ValueError, match="double free"):
+        replay(twice, mode=mode, record_series=False, engine=COMPILED)
+
+
+@needs_gxx
 def test_compiled_core_refuses_what_the_python_model_refuses():
     """Unbalanced markers: the same ReplayError, word for word. A use_mem_pool region whose pool was
     released and emptied under it: the Python model's get_pool raises KeyError; the core names the case."""
@@ -383,6 +456,8 @@ def test_engine_choice_names_its_reason():
     assert engine_for(cols, default, ANCHORED)[0] == COMPILED
     assert "series" in engine_for(cols, default, FREE_RUNNING, record_series=True)[1]
     assert engine_for(cols, AllocatorConfig.parse("expandable_segments:True"), FREE_RUNNING)[0] == COMPILED
+    held = columns_from_trace(Trace(events=[Event(ALLOC, 1, 10), Event(FREE_REQUESTED, 1, 0), Event(FREE, 1, 0)]))
+    assert engine_for(held, default, FREE_RUNNING) == (COMPILED, "free-running, no private pools")
     pooled = columns_from_trace(Trace(events=[Event("pool_enter", 0, 1), Event(ALLOC, 1, 10)]))
     assert engine_for(pooled, default, FREE_RUNNING) == (COMPILED, "free-running, with private pools")
     with pytest.raises(ValueError, match="cannot replay this: the per-event series"):

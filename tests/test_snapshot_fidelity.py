@@ -1,6 +1,7 @@
 """Real GPU snapshots (../shared/snapshots; provenance in its README) replayed through the model."""
 
 import pickle
+from dataclasses import replace
 
 import pytest
 from helpers import shared_snapshot
@@ -141,6 +142,44 @@ def test_private_pool_segments_end_where_recorded():
                 for s in snap["segments"]}
     simulated = {(s["address"], s["total_size"], s["allocated_size"], s["segment_pool_id"]) for s in result.segments}
     assert simulated == recorded
+
+
+def test_record_stream_frees_leave_allocated_at_the_request_and_their_pool_at_the_completion():
+    """slime_init_b frees 15 blocks that other streams still used: PyTorch wrote ``free_requested`` with other
+    entries before their ``free_completed``. Those requests are kept (and no other: a request its completion
+    follows at once changes nothing); at each, the replay's allocated drops by the block, as PyTorch's stats do
+    in ``free`` before ``insert_events``, while the block stays held until its completion."""
+    snap = load_snapshot(shared_snapshot("slime_init_b"))
+    trace = trace_from_snapshot(snap)
+    requests = [i for i, e in enumerate(trace.events) if e.action == "free_requested"]
+    assert len(requests) == 15
+    assert all(trace.events[i + 1].action != "free" or trace.events[i + 1].addr != trace.events[i].addr
+               for i in requests)
+    for i in requests[:3]:  # the trace cut just before and just after a request
+        before, after = (replay(replace(trace, events=trace.events[:n]), mode="anchored") for n in (i, i + 1))
+        block = after.model.active_blocks[trace.events[i].addr]
+        assert block.held and before.final_allocated - after.final_allocated == block.size > 0
+        assert before.final_reserved == after.final_reserved
+    result = replay(trace, mode="anchored")
+    assert result.final_allocated == recorded_summary(trace).final_allocated
+    assert not any(b.held for b in result.model.active_blocks.values())
+    result.model.check_invariants()
+
+
+def test_a_held_free_survives_a_written_snapshot_and_reads_back(tmp_path):
+    """write_snapshot writes a FREE_REQUESTED as ``free_requested`` and its later FREE as ``free_completed`` alone
+    (any other FREE as the pair PyTorch writes); reading the file back gives the same events."""
+    from pytest_rlhfmem.memory.trace import ALLOC, FREE, FREE_REQUESTED, Event, Trace, write_snapshot
+
+    events = [Event(ALLOC, 4096, 1000), Event(FREE_REQUESTED, 4096, 1000), Event(ALLOC, 8192, 1000),
+              Event(FREE, 8192, 1000), Event(FREE, 4096, 1000)]
+    path = write_snapshot(tmp_path / "held.pickle", Trace(events=events), [])
+    snap = load_snapshot(path)
+    assert [e["action"] for e in snap["device_traces"][0]] == [
+        "alloc", "free_requested", "alloc", "free_requested", "free_completed", "free_completed"]
+    assert [(e.action, e.addr) for e in trace_from_snapshot(snap).events] == [(e.action, e.addr) for e in events]
+    result = replay(trace_from_snapshot(snap))
+    assert (result.total.peak_allocated, result.final_allocated) == (1024, 0)
 
 
 def test_blocks_without_address_get_them_from_the_segment():

@@ -83,6 +83,14 @@ ODD_SNAPSHOTS = {
         {"action": "oom", "device_free": 30 * MIB, "size": 40 * MIB, "stream": 0, "time_us": 2},
         {"action": "free_requested", "addr": 4096, "size": 1000, "stream": 0, "time_us": 3},
         {"action": "free_completed", "addr": 4096, "size": 1000, "stream": 0, "time_us": 3}]]},
+    # record_stream: a request whose completion comes after other entries is kept; the immediate one is not
+    "record_stream_gap": {"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": 4096, "size": 1000, "stream": 0, "time_us": 1},
+        {"action": "free_requested", "addr": 4096, "size": 1000, "stream": 0, "time_us": 2},
+        {"action": "alloc", "addr": 8192, "size": 1000, "stream": 0, "time_us": 3},
+        {"action": "free_requested", "addr": 8192, "size": 1000, "stream": 0, "time_us": 4},
+        {"action": "free_completed", "addr": 8192, "size": 1000, "stream": 0, "time_us": 4},
+        {"action": "free_completed", "addr": 4096, "size": 1000, "stream": 0, "time_us": 5}]]},
     "oom_both_keys": {"segments": [], "device_traces": [[
         {"action": "oom", "addr": 5, "device_free": 30 * MIB, "size": 40 * MIB, "stream": 0, "time_us": 2}]]},
     "none_and_missing": {"segments": [], "device_traces": [[

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..memory.columns import TraceColumns, columns_from_trace
-from ..memory.events import ALLOC, CAPTURE_CUDA, FREE, PHASE, PHASE_END, Event, Trace
+from ..memory.events import ALLOC, CAPTURE_CUDA, FREE, FREE_REQUESTED, PHASE, PHASE_END, Event, Trace
 from ..memory.flushes import program_events
 from ..memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 from ..memory.trace_io import TraceFileError, load_trace, resolve_trace_path
@@ -83,7 +83,7 @@ def find_boundaries(events: list[Event]) -> Boundaries:
         if e.action == ALLOC:
             live[e.addr] = e.size
             cur += e.size
-        elif e.action == FREE:
+        elif e.action in (FREE, FREE_REQUESTED):  # a held block's bytes leave the live level at its request
             cur -= live.pop(e.addr, 0)
         level[i] = cur
     for w in range(WINDOWS):

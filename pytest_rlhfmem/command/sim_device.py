@@ -40,7 +40,7 @@ class LiveAllocator:
         self._fed = 0
 
     def update(self) -> Any:
-        from ..memory.events import ALLOC, FLUSH, FREE
+        from ..memory.events import ALLOC, FLUSH, FREE, FREE_REQUESTED
 
         events = self.get_rec().trace_so_far().events
         for e in events[self._fed:]:
@@ -48,6 +48,8 @@ class LiveAllocator:
                 self._blocks[e.addr] = self.model.malloc(e.size, e.stream)
             elif e.action == FREE and e.addr in self._blocks:
                 self.model.free(self._blocks.pop(e.addr))
+            elif e.action == FREE_REQUESTED and e.addr in self._blocks:  # record_stream: its FREE comes later
+                self.model.request_free(self._blocks[e.addr])
             elif e.action == FLUSH:
                 self.model.empty_cache()
         self._fed = len(events)

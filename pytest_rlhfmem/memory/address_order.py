@@ -30,11 +30,11 @@ from collections import Counter
 from collections.abc import Callable
 
 from .allocator import AllocatorConfig
-from .events import ALLOC, FLUSH, FREE, PHASE, PHASE_END, SEGMENT_ACTIONS, Trace
+from .events import ALLOC, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, SEGMENT_ACTIONS, Trace
 from .python_engine import replay_python
 from .replay_types import FREE_RUNNING
 
-SUPPORTED = (ALLOC, FREE, FLUSH, PHASE, PHASE_END, *SEGMENT_ACTIONS)
+SUPPORTED = (ALLOC, FREE, FREE_REQUESTED, FLUSH, PHASE, PHASE_END, *SEGMENT_ACTIONS)
 
 
 def random_placement(rng: random.Random) -> Callable[[int | None], int | None]:

@@ -30,10 +30,11 @@ block is released from 2.10 (PR 169699); ``MemPool(no_split=True)`` pools (2.10,
 ``use_mem_pool`` region scoped to that region's pool in 2.6-2.7 (PR 133602), every pool nobody holds from 2.8
 (PR 154042).
 
-What is not: cross-stream ``record_stream`` events (a replay frees a block at ``free_completed``, the
-moment the real allocator returned it to its pool; so ``graph_capture_record_stream_reuse``, PR 158352, which
-only changes when such blocks are reused during a graph capture, is parsed and has no effect), and custom
-allocators behind a MemPool (their segments are modelled as cudaMalloc'd ones).
+Cross-stream ``record_stream`` blocks follow the trace: ``request_free`` at the program's free (the stats
+drop), ``free`` at ``free_completed`` (back to the pool); the CUDA events themselves are not modelled, so
+``graph_capture_record_stream_reuse`` (PR 158352, which only changes when such blocks are reused during a graph
+capture) is parsed and has no effect. Not modelled: custom allocators behind a MemPool (their segments are
+modelled as cudaMalloc'd ones).
 """
 
 from __future__ import annotations
@@ -535,7 +536,7 @@ class Block:
     """
 
     __slots__ = ("stream", "pool", "address", "size", "requested_size", "allocated", "prev", "next",
-                 "gc_count_base", "mapped", "expandable_segment")
+                 "gc_count_base", "mapped", "expandable_segment", "held")
 
     def __init__(self, stream: int, size: int, pool: BlockPool, address: int) -> None:
         self.stream = stream
@@ -549,6 +550,10 @@ class Block:
         self.gc_count_base = 0
         self.mapped = True
         self.expandable_segment: ExpandableSegment | None = None
+        # freed by the program while other streams still use it (request_free): out of the stats, not yet
+        # back in its pool (PyTorch: allocated false, event_count > 0); ``allocated`` stays True here so that
+        # no merge, reuse or release touches it before free() completes it
+        self.held = False
 
     def is_split(self) -> bool:
         return self.prev is not None or self.next is not None
@@ -1138,16 +1143,35 @@ class CachingAllocatorModel:
     # -- the free path ----------------------------------------------------------------------------
 
     def free(self, block: Block) -> None:
-        """``DeviceCachingAllocator::free`` with no outstanding stream events: ``free_block``."""
+        """``DeviceCachingAllocator::free`` with no outstanding stream events: ``free_block``. For a block
+        :meth:`request_free` held, the completion (``process_events`` -> ``free_block``): the stats dropped
+        at the request. Raises ``ValueError`` for a block that is not allocated."""
         if not block.allocated:
             raise ValueError(f"double free of {block!r}")
         del self.active_blocks[block.address]
+        if block.held:
+            block.held = False
+        else:
+            self._drop_stats(block)
+        block.allocated = False
+        self.free_block(block)
+
+    def request_free(self, block: Block) -> None:
+        """``DeviceCachingAllocator::free`` of a block other streams still use (``stream_uses`` not empty,
+        ``Tensor.record_stream``): ``allocated_bytes`` and ``requested_bytes`` drop now, as PyTorch's do before
+        ``insert_events``; the block stays out of its pool (no reuse, no merge, its segment not releasable)
+        until :meth:`free` completes it, where ``process_events`` would call ``free_block``. Raises
+        ``ValueError`` for a block not allocated or already held."""
+        if not block.allocated or block.held:
+            raise ValueError(f"double free of {block!r}")
+        self._drop_stats(block)
+        block.held = True
+
+    def _drop_stats(self, block: Block) -> None:
         st = self.stats
         st.allocated_bytes -= block.size
         st.requested_bytes -= block.requested_size
         st.num_frees += 1
-        block.allocated = False
-        self.free_block(block)
 
     def free_block(self, block: Block) -> None:
         """``free_block``: merge with free neighbours, reinsert into the pool."""
@@ -1394,7 +1418,7 @@ class CachingAllocatorModel:
                     "device": device,
                     "address": first.address,
                     "total_size": sum(b.size for b in run),
-                    "allocated_size": sum(b.size for b in run if b.allocated),
+                    "allocated_size": sum(b.size for b in run if b.allocated and not b.held),
                     "active_size": sum(b.size for b in run if b.allocated),
                     "requested_size": sum(b.requested_size for b in run if b.allocated),
                     "stream": first.stream,
@@ -1405,7 +1429,7 @@ class CachingAllocatorModel:
                     "blocks": [
                         {"address": b.address, "size": b.size,
                          "requested_size": b.requested_size if b.allocated else 0,
-                         "state": "active_allocated" if b.allocated else "inactive", "frames": []}
+                         "state": _block_state(b), "frames": []}
                         for b in run
                     ],
                 })
@@ -1441,7 +1465,7 @@ class CachingAllocatorModel:
                         assert (b.address - es.ptr) % es.segment_size == 0 and b.size % es.segment_size == 0
                         assert not any(es.handles[i] for i in pages if i < len(es.handles)), "unmapped pages"
                 if b.allocated:
-                    allocated += b.size
+                    allocated += 0 if b.held else b.size
                     prev_free = False
                 else:
                     assert not (prev_free and prev_mapped == b.mapped), "two adjacent free blocks"
@@ -1464,6 +1488,14 @@ class CachingAllocatorModel:
         pools = self.all_block_pools()
         assert sum(len(p.blocks) for p in pools) == free_mapped
         assert sum(len(p.unmapped) for p in pools) == free_unmapped
+
+
+def _block_state(b: Block) -> str:
+    """A block's ``state`` in ``_snapshot()`` (``torch/cuda/memory.py``; ``active_pending_free``: freed, its
+    other streams' events outstanding)."""
+    if not b.allocated:
+        return "inactive"
+    return "active_pending_free" if b.held else "active_allocated"
 
 
 def _iter_chain(b: Block | None):

@@ -30,12 +30,13 @@ from collections.abc import Callable, Iterable, Iterator
 from . import emulation
 from .host import HostMemory
 from .trace import (
-    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, PHASE, PHASE_END,
-    POOL_ENTER, POOL_EXIT, Event,
-    Trace, trace_from_snapshot,
+    ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, FREE_REQUESTED, PHASE,
+    PHASE_END, POOL_ENTER, POOL_EXIT, Event, Trace, trace_from_snapshot,
 )
 
 _MARK = "rlhfmem::mark::"
+# recorder row kind (0 alloc, 1 free, 2 mark, 3 free requested: sim_cuda.SimCudaRows) -> cpu_events' item kind
+ITEM_KIND = {0: 0, 1: 0, 2: 1, 3: 2}
 
 
 def _storages(tensors: Iterable) -> list[tuple[int, int]]:
@@ -336,7 +337,8 @@ class Recorder:
         given (the benchmark re-derives traces from one run's ``raw_rows`` under several settings)."""
         if cuda_emulation is not None:
             rows, self.emulation_report = emulation.apply(rows, self._marks, cuda_emulation)
-        items = [(t, i, 1 if kind == 2 else 0, ptr, -size if kind == 1 else size)
+        # items (time_ns, seq, 0 data / 1 mark / 2 free requested, ptr or mark index, +size alloc / -size free)
+        items = [(t, i, ITEM_KIND[kind], ptr, -size if kind == 1 else size)
                  for i, (t, ptr, size, kind, _main) in enumerate(rows)]
         self.frees_on_other_threads = self._foreign_frees(rows)
         events = self.cpu_events(items)
@@ -344,8 +346,8 @@ class Recorder:
             return Trace(events=events, capture=CAPTURE_CPU_SIMULATED, source=self.backend)
         streams = getattr(self.row_source, "streams", {})  # blocks of a side stream keep its pool
         if streams:
-            events = [e._replace(stream=streams[e.addr]) if e.action in (ALLOC, FREE) and e.addr in streams else e
-                      for e in events]
+            events = [e._replace(stream=streams[e.addr])
+                      if e.action in (ALLOC, FREE, FREE_REQUESTED) and e.addr in streams else e for e in events]
         return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend)
 
     def trace_so_far(self) -> Trace:
@@ -386,6 +388,9 @@ class Recorder:
                 else:
                     live.pop(ptr, None)
                     out.append(Event(FREE, ptr, -size, 0, t_us))
+                continue
+            if kind == 2:  # the simulated device's record_stream: the block's FREE comes at a later sync
+                out.append(Event(FREE_REQUESTED, a, b, 0, t_us))
                 continue
             mkind, payload = self._marks[a]
             if mkind in (PHASE, PHASE_END, FLUSH):

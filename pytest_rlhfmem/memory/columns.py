@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from itertools import compress
 from operator import itemgetter
 
 from .events import (
-    ALLOC, FLUSH, FREE, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
-    SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
+    ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
+    SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
 )
 
 # Action codes shared with replay_core.cpp (enum Action): the index in this tuple. Anything else is OTHER.
 ACTIONS = (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, POOL_ENTER, POOL_EXIT,
-           POOL_RELEASE, PHASE, PHASE_END, FLUSH)
+           POOL_RELEASE, PHASE, PHASE_END, FLUSH, FREE_REQUESTED)
 OTHER = len(ACTIONS)
 CODE = {a: i for i, a in enumerate(ACTIONS)}
 _SEGMENT_CODES = bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
@@ -108,3 +109,29 @@ def columns_from_trace(trace: Trace) -> TraceColumns:
         initial_segments=trace.initial_segments, final_segments=trace.final_segments,
         allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
         device=trace.device)
+
+
+def drop_immediate_requests(action: bytes, addr: array, *rest: array) -> tuple:
+    """``(action, addr, *rest)`` without each FREE_REQUESTED that its block's FREE follows at once: a snapshot
+    writes ``free_requested`` + ``free_completed`` for every free, and only a request whose completion comes
+    later (the block used by another stream, ``Tensor.record_stream``) changes what the allocator does. C speed
+    where there are none (``bytes.find``); the columns are rebuilt once where there are."""
+    req, free = CODE[FREE_REQUESTED], CODE[FREE]
+    i = action.find(req)
+    if i < 0:
+        return (action, addr, *rest)
+    keep = bytearray(b"\x01") * len(action)
+    last = len(action) - 1
+    while i >= 0:
+        if i < last and action[i + 1] == free and addr[i + 1] == addr[i]:
+            keep[i] = 0
+        i = action.find(req, i + 1)
+    return (bytes(compress(action, keep)), *(array(c.typecode, compress(c, keep)) for c in (addr, *rest)))
+
+
+def drop_immediate_request_events(events: list[Event]) -> list[Event]:
+    """:func:`drop_immediate_requests` on an Event list."""
+    n = len(events)
+    return [e for i, e in enumerate(events)
+            if not (e.action == FREE_REQUESTED and i + 1 < n and events[i + 1].action == FREE
+                    and events[i + 1].addr == e.addr)]

@@ -17,6 +17,11 @@ from .allocator import DEFAULT_POOL
 # Event actions. ALLOC/FREE carry the REQUESTED size; SEGMENT_* the segment size.
 ALLOC = "alloc"
 FREE = "free"  # free_completed: the moment the block went back to its pool
+# free_requested, kept only where it is not followed at once by its free_completed: the program freed a block
+# that other streams still use (``Tensor.record_stream``). PyTorch's stats drop here (allocated, requested);
+# the block stays out of its pool, unusable and unmerged, until its FREE (CUDACachingAllocator.cpp: ``free``
+# -> ``insert_events``; ``process_events`` -> ``free_block``). addr and size as FREE's.
+FREE_REQUESTED = "free_requested"
 SEGMENT_ALLOC = "segment_alloc"
 SEGMENT_FREE = "segment_free"
 SEGMENT_MAP = "segment_map"  # expandable segments: pages mapped (addr, size of the pages)

@@ -9,7 +9,7 @@ placements. Sizes are bytes.
 
 from __future__ import annotations
 
-from .events import ALLOC, FLUSH, FREE, PHASE, PHASE_END, SEGMENT_FREE, Event, Trace
+from .events import ALLOC, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, SEGMENT_FREE, Event, Trace
 from .recorded import recorded_release_batches
 from .replay import FREE_RUNNING, replay
 
@@ -31,7 +31,7 @@ def program_events(trace: Trace) -> tuple[list[Event], list[Event]]:
     recorded: list[Event] = []
     for i, e in enumerate(trace.events):
         a = e.action
-        if a in (ALLOC, FREE, PHASE, PHASE_END):
+        if a in (ALLOC, FREE, FREE_REQUESTED, PHASE, PHASE_END):
             program.append(e)
             recorded.append(e)
         elif a == FLUSH:

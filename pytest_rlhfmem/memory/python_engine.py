@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
 from .events import (
-    ALLOC, FLUSH, FREE, OOM, PHASE, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE,
-    SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
+    ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
+    SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
 )
 from .metrics import MetricsCollector
 from .recorded import CREATIONS, RELEASES, infer_capacity, recorded_release_batches
@@ -179,6 +179,16 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
             if out_events is not None:  # before free(): a merge may move the block's start address
                 out_events.append(Event(FREE, block.address, block.requested_size, ev.stream, ev.time_us))
             free(block)
+            state["last_was_free"] = False
+            after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
+        elif action == FREE_REQUESTED:  # record_stream: out of the stats now, back in its pool at its FREE
+            block = live.get(ev.addr) or model.active_blocks.get(ev.addr)
+            if block is None:
+                unmatched_frees += 1
+                continue
+            if out_events is not None:
+                out_events.append(Event(FREE_REQUESTED, block.address, block.requested_size, ev.stream, ev.time_us))
+            model.request_free(block)
             state["last_was_free"] = False
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
         elif action == OOM:  # the recorded request that failed: the model must fail it too

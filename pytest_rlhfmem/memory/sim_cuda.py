@@ -34,6 +34,7 @@ SCALAR_KINDS = ("bool", "int", "float", "other")
 ENV_RECORD_STREAM = "RLHFMEM_SIM_CUDA_RECORD_STREAM"
 RECORD_STREAM_MODES = ("immediate", "until-sync")
 LOG_RECORD_STREAM, LOG_SYNC = 3, 4  # the log's actions besides 1 alloc and 2 free (sim_cuda.cpp)
+FREE_REQUESTED_ACTION = 5  # delay_record_stream_frees' own: the program's free of a held block (not in the log)
 ALL_STREAMS = -1
 
 
@@ -97,10 +98,11 @@ def record_stream_mode(name: str | None = None) -> str:
 
 
 def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]]) -> list[tuple[int, tuple]]:
-    """The log with each cross-stream block's free moved to the host synchronization that completes its
-    streams' events: ``[(position, (action, addr, size, stream, time_us))]``, actions 1 and 2 only, where
-    ``position`` is the index in ``events`` of the event at which it takes effect (a delayed free: the sync's,
-    with the sync's time).
+    """The log with each cross-stream block's free split in two: the program's free where it happened
+    (action :data:`FREE_REQUESTED_ACTION`: the stats drop) and the block's return to its pool at the host
+    synchronization that completes its streams' events: ``[(position, (action, addr, size, stream, time_us))]``,
+    actions 1, 2 and 5, where ``position`` is the index in ``events`` of the event at which it takes effect (a
+    delayed free: the sync's, with the sync's time).
 
     ``events``: ``(action, addr, size, stream, time_us)`` with action 1 alloc, 2 free, 3 ``record_stream`` of the
     block at ``addr`` on ``stream``, 4 a host wait for ``stream`` (``-1`` every stream). Follows
@@ -121,6 +123,7 @@ def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]]) -> l
             stream_of.pop(addr, None)
             if streams:
                 held[addr] = (ev, streams)
+                out.append((i, (FREE_REQUESTED_ACTION,) + ev[1:]))
             else:
                 out.append((i, ev))
         elif action == LOG_RECORD_STREAM:
@@ -148,7 +151,8 @@ class _Rows(list):
 
 class SimCudaRows:
     """The device's allocation log as recorder rows ``(time_ns, ptr, size, kind, on_main)`` (kind 0 an
-    allocation, 1 a free, 2 a mark whose ``ptr`` is the mark's index), the interface
+    allocation, 1 a free, 2 a mark whose ``ptr`` is the mark's index, 3 the program's free of a block
+    ``record_stream`` holds until a later sync: its kind-1 row comes there), the interface
     :class:`~.capture.Recorder` uses for its CPU allocation recorder: ``install``, ``start``, ``mark``,
     ``rows``, ``stop``. A mark sits between the device events logged before and after it."""
 
@@ -189,7 +193,8 @@ class SimCudaRows:
         nxt = next(marks, None)
         events = self.events()
         placed = delay_record_stream_frees(events)
-        self.delayed_frees = sum(1 for i, ev in placed if i >= len(events) or events[i] is not ev)
+        self.delayed_frees = sum(1 for _i, ev in placed if ev[0] == FREE_REQUESTED_ACTION)
+        kinds = {1: 0, 2: 1, FREE_REQUESTED_ACTION: 3}  # recorder rows: 0 alloc, 1 free, 3 free requested
         for i, (action, addr, size, stream, t_us) in placed:
             i += self._start
             if stream:
@@ -197,7 +202,7 @@ class SimCudaRows:
             while nxt is not None and nxt[0] <= i:
                 out.append((nxt[1], nxt[2], 0, 2, True))
                 nxt = next(marks, None)
-            out.append((t_us * 1000, addr, size, 0 if action == 1 else 1, True))
+            out.append((t_us * 1000, addr, size, kinds[action], True))
         while nxt is not None:
             out.append((nxt[1], nxt[2], 0, 2, True))
             nxt = next(marks, None)

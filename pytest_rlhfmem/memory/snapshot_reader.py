@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .cbuild import build_library
 from .columns import ACTIONS, CODE
-from .events import ALLOC, FREE, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
+from .events import ALLOC, FREE, FREE_REQUESTED, OOM, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP
 
 __all__ = ["COMPILED_READER", "PYTHON_READER", "ReaderUnavailable", "SnapshotEntries", "ParsedSnapshot",
            "library_path", "parse_snapshot", "reader_available"]
@@ -82,7 +82,8 @@ def reader_available() -> tuple[bool, str]:
     return False, _unavailable
 
 
-_NAMES = {CODE[a]: a for a in (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM)}
+_NAMES = {CODE[a]: a for a in (ALLOC, FREE, FREE_REQUESTED, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
+                                OOM)}
 
 
 class SnapshotEntries:

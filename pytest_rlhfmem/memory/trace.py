@@ -29,10 +29,12 @@ from typing import Any
 from .allocator import (
     DEFAULT_POOL, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer, kSmallSize,
 )
-from .columns import CODE, TraceColumns, columns_from_trace
+from .columns import (
+    ACTIONS, CODE, TraceColumns, columns_from_trace, drop_immediate_request_events, drop_immediate_requests,
+)
 from .events import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED,
-    CAPTURE_SYNTHETIC, FLUSH, FREE, OOM,
+    CAPTURE_SYNTHETIC, FLUSH, FREE, FREE_REQUESTED, OOM,
     PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
     SIMULATED_CAPTURES, Event, SegmentState, Trace,
 )
@@ -40,8 +42,8 @@ from .snapshot_reader import PYTHON_READER, ReaderUnavailable, SnapshotEntries, 
 
 __all__ = [  # the snapshot format's own names, and the trace's types callers import from here
     "ALLOC", "CAPTURE_CPU_SIMULATED", "CAPTURE_CUDA", "CAPTURE_FAKE_CUDA_SIMULATED", "CAPTURE_SIM_CUDA_SIMULATED",
-    "CAPTURE_SYNTHETIC", "FLUSH",
-    "FREE", "OOM", "PHASE", "PHASE_END", "POOL_ENTER", "POOL_EXIT", "POOL_RELEASE", "SEGMENT_ALLOC", "SEGMENT_FREE",
+    "CAPTURE_SYNTHETIC", "FLUSH", "FREE", "FREE_REQUESTED",
+    "OOM", "PHASE", "PHASE_END", "POOL_ENTER", "POOL_EXIT", "POOL_RELEASE", "SEGMENT_ALLOC", "SEGMENT_FREE",
     "SEGMENT_MAP", "SEGMENT_UNMAP", "SIMULATED_CAPTURES", "Event", "SegmentState", "SnapshotError", "Trace",
     "columns_from_snapshot", "load_snapshot", "load_snapshot_columnar", "snapshot_columns_for_replay",
     "trace_from_snapshot", "write_snapshot",
@@ -183,6 +185,13 @@ def _pick_device(snap: dict, device: int | None, source: str) -> int:
     return max(set(devs), key=devs.count) if devs else 0
 
 
+# The snapshot entries a trace keeps and their actions (snapshot entries, user annotations, ... skipped;
+# free_requested kept, then dropped where its free_completed follows at once: columns.drop_immediate_requests).
+_KEPT = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, "free_requested": FREE_REQUESTED,
+         SEGMENT_ALLOC: SEGMENT_ALLOC, SEGMENT_FREE: SEGMENT_FREE, SEGMENT_MAP: SEGMENT_MAP,
+         SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
+
+
 def trace_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
                         source: str = "") -> Trace:
     """Turn a snapshot dict into a :class:`Trace` for one device (default: the one with most events).
@@ -248,12 +257,11 @@ def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig
     config = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
     traces = snap.get("device_traces") or []
     raw = (traces[dev] if dev < len(traces) else None) or []
-    # Plain "free" is the one free entry of 1.13-era files; later files write free_requested (skipped)
-    # and free_completed. snapshot entries and user annotations map to None and are skipped too.
-    kept = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC,
-            SEGMENT_FREE: SEGMENT_FREE, SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
+    # Plain "free" is the one free entry of 1.13-era files; later files write free_requested and
+    # free_completed (a request is kept only where its completion does not follow at once: record_stream).
+    # snapshot entries and user annotations map to None and are skipped.
     events: list[Event] = []
-    append, get_act = events.append, kept.get
+    append, get_act = events.append, _KEPT.get
     make = functools.partial(tuple.__new__, Event)  # Event(...) without the Python-level __new__
     for e in raw:
         act = get_act(e["action"])
@@ -270,6 +278,7 @@ def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig
         bad = next(e for e in events if not all(type(x) is int and x >= 0 for x in e[1:5]))
         raise SnapshotError(f"{src}: malformed snapshot entry (a {bad.action} entry whose addr/size/stream/time_us "
                             f"are not all non-negative integers: {tuple(bad[1:5])!r})") from None
+    events = drop_immediate_request_events(events)
     segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
     initial = _rebuild_initial_segments(events, segments, config, src)
     events = _with_pool_markers(events, segments, initial)
@@ -470,9 +479,6 @@ def _rebuild_initial_segments(events: list[Event], final_segments: list[dict], c
     return out
 
 
-# _trace_from_snapshot's entries kept and their actions (free_requested, snapshot, ... skipped).
-_KEPT = {"alloc": ALLOC, "free_completed": FREE, "free": FREE, SEGMENT_ALLOC: SEGMENT_ALLOC, SEGMENT_FREE: SEGMENT_FREE,
-         SEGMENT_MAP: SEGMENT_MAP, SEGMENT_UNMAP: SEGMENT_UNMAP, OOM: OOM}
 
 
 def columns_from_snapshot(snap: dict, device: int | None = None, config: AllocatorConfig | None = None,
@@ -505,7 +511,7 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
         if isinstance(raw, SnapshotEntries):  # load_snapshot_columnar: the compiled reader's columns
             if not raw.lean_ok:
                 return slow()  # its Events: missing or None numbers read as 0 (no error: they were checked)
-            action, addr, size, stream, time_us = raw.lean_columns()
+            action, addr, size, stream, time_us = drop_immediate_requests(*raw.lean_columns())
             try:
                 initial = _rebuild_initial_segments([], segments, cfg, src, rows=raw.scan_rows())
             except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -527,7 +533,8 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
             return slow()
         if any(c and min(c) < 0 for c in cols):
             return slow()
-        addr, size, stream, time_us = cols
+        codes, addr, size, stream, time_us = drop_immediate_requests(bytes(map(CODE.__getitem__, acts)), *cols)
+        acts = [ACTIONS[c] for c in codes]
         try:
             initial = _rebuild_initial_segments([], segments, cfg, src, rows=zip(acts, addr, size, stream))
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
@@ -535,7 +542,7 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
                 raise
             return slow()
         return TraceColumns(
-            action=bytes(map(CODE.__getitem__, acts)), addr=addr, size=size, stream=stream, time_us=time_us,
+            action=codes, addr=addr, size=size, stream=stream, time_us=time_us,
             name=array("i", [-1]) * len(acts), names=[],
             initial_segments=initial, final_segments=segments, allocator_settings=snap.get("allocator_settings"),
             capture=CAPTURE_CUDA, source=src, device=dev)
@@ -556,12 +563,19 @@ def write_snapshot(path: str | Path, trace: Trace, segments: list[dict], *, devi
     entries: list[dict] = []
     annotations: list[dict] = []
     open_phase: tuple[str, int] | None = None
+    requested: set[int] = set()  # blocks whose free was requested and not completed yet
     for e in trace.events:
         if e.action == ALLOC:
             entries.append({"action": "alloc", "addr": e.addr, "size": e.size, "stream": e.stream,
                             "time_us": e.time_us, "frames": []})
-        elif e.action == FREE:
-            for a in ("free_requested", "free_completed"):
+        elif e.action in (FREE, FREE_REQUESTED):  # a FREE after its own FREE_REQUESTED: the completion only
+            acts = (("free_requested",) if e.action == FREE_REQUESTED else
+                    ("free_completed",) if e.addr in requested else ("free_requested", "free_completed"))
+            if e.action == FREE_REQUESTED:
+                requested.add(e.addr)
+            else:
+                requested.discard(e.addr)
+            for a in acts:
                 entries.append({"action": a, "addr": e.addr, "size": e.size, "stream": e.stream,
                                 "time_us": e.time_us, "frames": []})
         elif e.action == OOM:  # PyTorch's layout: the free bytes under device_free, no addr

@@ -18,7 +18,8 @@
 // POOL_ENTER / POOL_EXIT / POOL_RELEASE as python_engine.py drives them, release_cached_blocks(mempool_id)),
 // FLUSH events and recorded empty_cache() batches (release_cached_blocks), anchored mode (recorded
 // addresses, recorded cudaMalloc failures), segments that existed before the trace (in the default pools
-// or a private one), phase windows and the MetricsCollector figures; and the PyTorch 2.8-2.10 behaviours
+// or a private one), record_stream's held blocks (FREE_REQUESTED: request_free, completed by the block's
+// FREE), phase windows and the MetricsCollector figures; and the PyTorch 2.8-2.10 behaviours
 // allocator.py selects by version (per_process_memory_fraction, computed in replay_engine.py as the capacity;
 // try_mempool_fallback for use_on_oom pools, last in 2.8-2.9 and first from 2.10, PR 169699; no_split pools;
 // the innermost use_mem_pool region from 2.10; empty_cache inside a region scoped to its pool in 2.6-2.7).
@@ -165,10 +166,10 @@ class FlatMap {
   int shift_ = 0;
 };
 
-// Action codes: the index of each action in memory/replay_engine.py's ACTIONS.
+// Action codes: the index of each action in memory/columns.py's ACTIONS.
 enum Action : uint8_t {
   A_ALLOC = 0, A_FREE, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP, A_SEGMENT_UNMAP, A_OOM,
-  A_POOL_ENTER, A_POOL_EXIT, A_POOL_RELEASE, A_PHASE, A_PHASE_END, A_FLUSH, A_OTHER
+  A_POOL_ENTER, A_POOL_EXIT, A_POOL_RELEASE, A_PHASE, A_PHASE_END, A_FLUSH, A_FREE_REQUESTED, A_OTHER
 };
 
 struct BlockPool;
@@ -220,6 +221,9 @@ struct Block {
   i64 stream, size, requested_size = 0, address;
   BlockPool* pool;
   bool allocated = false;
+  // freed by the program while other streams still use it (request_free): out of the stats, not yet back in
+  // its pool; allocated stays true so that no merge, reuse or release touches it before free() completes it
+  bool held = false;
   bool mapped = true;
   ExpandableSegment* expandable_segment = nullptr;
   Block* prev = nullptr;
@@ -882,16 +886,36 @@ struct Model {
 
   // -- the free path ----------------------------------------------------------------------------
 
-  // free (DeviceCachingAllocator::free without stream events); false for a double free.
+  // free (DeviceCachingAllocator::free without stream events): free_block. For a block request_free held,
+  // the completion (process_events -> free_block): its stats dropped at the request. false for a double free.
   bool free(Block* block) {
     if (!block->allocated) return false;
     active_blocks.erase(block->address);
-    st.allocated_bytes -= block->size;
-    st.requested_bytes -= block->requested_size;
-    st.num_frees += 1;
+    if (block->held) {
+      block->held = false;
+    } else {
+      drop_stats(block);
+    }
     block->allocated = false;
     free_block(block);
     return true;
+  }
+
+  // request_free (DeviceCachingAllocator::free of a block other streams still use, Tensor.record_stream): the
+  // stats drop now; the block stays out of its pool until free() completes it. false for a block not allocated
+  // or already held (a double free).
+  bool request_free(Block* block) {
+    if (!block->allocated || block->held) return false;
+    drop_stats(block);
+    block->held = true;
+    return true;
+  }
+
+  // _drop_stats
+  void drop_stats(const Block* block) {
+    st.allocated_bytes -= block->size;
+    st.requested_bytes -= block->requested_size;
+    st.num_frees += 1;
   }
 
   // free_block
@@ -1193,6 +1217,28 @@ struct Model {
             break;
           }
           if (!free(block)) {
+            error_event = idx;
+            return 1;
+          }
+          last_was_free = false;
+          collector.after_event(st.allocated_bytes, time_us[idx]);
+          break;
+        }
+        case A_FREE_REQUESTED: {  // record_stream: out of the stats now, back in its pool at its FREE
+          Block* block = nullptr;
+          if (LiveRef* found = live.find(addr[idx])) {  // stays in live: its FREE finds it there
+            if (found->block->serial != found->serial) {  // merged away since: a double free
+              error_event = idx;
+              return 1;
+            }
+            block = found->block;
+          } else if (Block** ab = active_blocks.find(addr[idx])) {  // allocated before the trace began
+            block = *ab;
+          } else {
+            unmatched_frees += 1;
+            break;
+          }
+          if (!request_free(block)) {
             error_event = idx;
             return 1;
           }

@@ -28,8 +28,11 @@ DEVICE_NAME = "rlhfmem simulated CUDA device (RTX 3090 geometry)"
 
 
 class LiveAllocator:
-    """The allocator model fed the recorder's device trace as the run goes: PyTorch's ``memory_stats()``
-    figures at any point of a simulated run (bytes)."""
+    """The allocator model fed the device's allocation log as the run goes: PyTorch's ``memory_stats()``
+    figures at any point of a simulated run (bytes). Each query reads only the log's events and the
+    recorder's marks since the previous one (a script asking after every layer stays linear in its
+    allocations); the device's ``immediate`` ``record_stream`` logs only allocations and frees (:func:`install`
+    refuses ``until-sync``), and a FLUSH mark (the script's ``empty_cache()``) empties the model's cache."""
 
     def __init__(self, get_rec: Any) -> None:
         from ..memory.allocator import CachingAllocatorModel
@@ -37,22 +40,32 @@ class LiveAllocator:
         self.get_rec = get_rec
         self.model = CachingAllocatorModel()
         self._blocks: dict[int, Any] = {}
-        self._fed = 0
+        self._fed = 0  # log events read, counted from the recorder's start
+        self._marks_fed = 0
 
     def update(self) -> Any:
-        from ..memory.events import ALLOC, FLUSH, FREE, FREE_REQUESTED
+        from ..memory.events import FLUSH
 
-        events = self.get_rec().trace_so_far().events
-        for e in events[self._fed:]:
-            if e.action == ALLOC:
-                self._blocks[e.addr] = self.model.malloc(e.size, e.stream)
-            elif e.action == FREE and e.addr in self._blocks:
-                self.model.free(self._blocks.pop(e.addr))
-            elif e.action == FREE_REQUESTED and e.addr in self._blocks:  # record_stream: its FREE comes later
-                self.model.request_free(self._blocks[e.addr])
-            elif e.action == FLUSH:
+        rec = self.get_rec()
+        log = rec.row_source
+        events, marks = log.events(self._fed), log.marks(self._marks_fed)
+        pending = iter(marks)
+        mark = next(pending, None)
+        for j, (action, addr, size, stream, _t) in enumerate(events, start=self._fed):
+            while mark is not None and mark[0] <= j:  # a mark sits before the log event of its index
+                if rec.mark_kind(mark[1]) == FLUSH:
+                    self.model.empty_cache()
+                mark = next(pending, None)
+            if action == 1:
+                self._blocks[addr] = self.model.malloc(size, stream)
+            elif action == 2 and addr in self._blocks:
+                self.model.free(self._blocks.pop(addr))
+        while mark is not None:
+            if rec.mark_kind(mark[1]) == FLUSH:
                 self.model.empty_cache()
-        self._fed = len(events)
+            mark = next(pending, None)
+        self._fed += len(events)
+        self._marks_fed += len(marks)
         return self.model.stats
 
     def reset_peaks(self) -> None:

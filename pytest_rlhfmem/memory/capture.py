@@ -350,6 +350,10 @@ class Recorder:
                       if e.action in (ALLOC, FREE, FREE_REQUESTED) and e.addr in streams else e for e in events]
         return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend)
 
+    def mark_kind(self, k: int) -> str:
+        """The kind of the recorder's ``k``-th mark (PHASE, PHASE_END, FLUSH, POOL_ENTER, ...)."""
+        return self._marks[k][0]
+
     def trace_so_far(self) -> Trace:
         """The device trace up to now, recording going on (the simulated CUDA device's memory-stat and
         snapshot answers replay it). Raises ``RuntimeError`` for any other recorder."""

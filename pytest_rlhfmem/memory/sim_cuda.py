@@ -178,14 +178,21 @@ class SimCudaRows:
     def mark(self, k: int) -> None:
         self._marks.append((self.lib.rlhfmem_sim_cuda_event_count(), time.monotonic_ns(), k))
 
-    def events(self) -> list[tuple[int, int, int, int, int]]:
-        """The log since :meth:`start`: ``(action, addr, size, stream, time_us)``, action 1 alloc, 2 free."""
+    def events(self, since: int = 0) -> list[tuple[int, int, int, int, int]]:
+        """The log from its ``since``-th event after :meth:`start`: ``(action, addr, size, stream, time_us)``,
+        action 1 alloc, 2 free (3, 4: ``record_stream`` and host waits, logged under ``until-sync``)."""
         import numpy as np
 
-        n = self.lib.rlhfmem_sim_cuda_event_count() - self._start
+        first = self._start + since
+        n = max(self.lib.rlhfmem_sim_cuda_event_count() - first, 0)
         cols = [np.zeros(max(n, 1), dtype=np.int64 if i != 1 else np.uint64) for i in range(5)]
-        got = self.lib.rlhfmem_sim_cuda_events(self._start, n, *[c.ctypes.data_as(ctypes.c_void_p) for c in cols])
+        got = self.lib.rlhfmem_sim_cuda_events(first, n, *[c.ctypes.data_as(ctypes.c_void_p) for c in cols])
         return list(zip(*(c[:got].tolist() for c in cols)))
+
+    def marks(self, since: int = 0) -> list[tuple[int, int]]:
+        """The marks from the ``since``-th on: ``(events of the log before it, counted from :meth:`start`; the
+        recorder's mark index)``."""
+        return [(at - self._start, k) for at, _t, k in self._marks[since:]]
 
     def rows(self) -> _Rows:
         out = _Rows()

@@ -178,19 +178,45 @@ def test_record_stream_holds_a_freed_block_until_the_host_waits_for_its_stream()
     assert everything[-1] == (3, (2, 0xA, 512, 0, 4))
 
 
-def test_record_stream_until_sync_on_the_route(tmp_path):
+def test_record_stream_until_sync_on_the_route(tmp_path, monkeypatch):
     """ZeRO-2 with ``overlap_comm`` records its gradient buckets on the reduction stream
     (``stage_1_and_2.py``): with ``until-sync`` those blocks return to their pool at a host sync, so peak reserved
     cannot fall; their bytes leave ``allocated`` at the program's free either way (PyTorch's ``free`` drops the
-    stats before ``insert_events``), so peak allocated is the same."""
-    sc = Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 4)
-    res = {m: run_fake_cuda(sc, work_dir=tmp_path / m, timeout=900, tensors="sim", record_stream=m)[sc.id]
+    stats before ``insert_events``), so peak allocated is the same. A flush of the policy waits for every stream
+    first (``release_cached_blocks`` -> ``synchronize_and_free_events``): no block is held at any FLUSH, and the
+    flush-none result derived from the flushed run is the one a run without the policy gives."""
+    from pytest_rlhfmem.memory.trace_io import load_trace
+
+    monkeypatch.setenv("RLHFMEM_FAKECUDA_SAVE_TRACE", "1")
+    plain = Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 4)
+    flushed = Scenario("deepspeed-chat", "tiny-opt", "zero2", "after-both", 4)
+    res = {m: run_fake_cuda(plain, work_dir=tmp_path / m, timeout=900, tensors="sim", record_stream=m)[plain.id]
            for m in ("immediate", "until-sync")}
-    assert all(r["status"] == "ok" for r in res.values()), [r.get("error") for r in res.values()]
+    both = run_fake_cuda(flushed, work_dir=tmp_path / "flushed", timeout=900, tensors="sim", record_stream="until-sync",
+                         without_flush=True)
+    assert all(r["status"] == "ok" for r in [*res.values(), *both.values()])
     dev = {m: r["capture_description"]["simulated_cuda_device"] for m, r in res.items()}
     assert dev["immediate"]["record_stream"] == "immediate" and dev["immediate"]["record_stream_delayed_frees"] == 0
     assert dev["until-sync"]["record_stream"] == "until-sync" and dev["until-sync"]["record_stream_delayed_frees"] > 0
     assert res["until-sync"]["total"]["peak_reserved"] >= res["immediate"]["total"]["peak_reserved"]
     assert res["until-sync"]["total"]["peak_allocated"] == res["immediate"]["total"]["peak_allocated"]
+
+    def figures(r: dict) -> list:
+        return [(p["phase"], p["peak_reserved"], p["peak_allocated"]) for p in r["phases"]]
+
+    assert figures(both[plain.id]) == figures(res["until-sync"])  # derived flush-none == a run without the policy
+    trace = load_trace(tmp_path / "flushed" / (flushed.id.replace("/", "__") + ".rlhftrace"))
+    held: set[int] = set()
+    returned_by_a_policy_wait = 0
+    for k, e in enumerate(trace.events):
+        if e.action == "free_requested":
+            held.add(e.addr)
+        elif e.action == "free" and e.addr in held:
+            held.discard(e.addr)
+            nxt = next(x for x in trace.events[k:] if x.action != "free")
+            returned_by_a_policy_wait += nxt.action == "flush" and nxt.name.startswith("after-")
+        elif e.action == "flush":
+            assert not held, f"{len(held)} blocks held at {e.name}"
+    assert returned_by_a_policy_wait >= 1
     with pytest.raises(ValueError, match="allowed values are immediate, until-sync"):
-        run_fake_cuda(sc, work_dir=tmp_path / "bad", tensors="sim", record_stream="later")
+        run_fake_cuda(plain, work_dir=tmp_path / "bad", tensors="sim", record_stream="later")

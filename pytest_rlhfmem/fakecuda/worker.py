@@ -59,7 +59,9 @@ def _write(path: Path, obj: dict) -> None:
 
 def without_policy_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
     """``trace`` without the flush policy's FLUSH marks (``after-<phase>``): the run's flush-none trace.
-    DeepSpeed's own ``empty_cache()`` calls stay, as they would in a run without the policy."""
+    DeepSpeed's own ``empty_cache()`` calls stay, as they would in a run without the policy. On the simulated
+    device under ``until-sync`` the caller first rebuilds the trace without the policy's host waits
+    (``SimCudaRows.rows(without_flush_syncs=True)``), so blocks they returned return at the next other wait."""
     from ..memory.trace import FLUSH, Trace
 
     return Trace(events=[e for e in trace.events if e.action != FLUSH or not e.name.startswith(POLICY_FLUSH)],
@@ -171,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.without_flush_out:
         plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
         t1 = time.perf_counter()
+        if sim and getattr(rec.row_source, "flush_syncs", None):  # until-sync: held blocks the policy's waits
+            trace = rec.trace_from_rows(rec.row_source.rows(without_flush_syncs=True), None)  # returned come later
         trace = without_policy_flushes(trace)
         other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
         other.update(extra, replay_s=round(time.perf_counter() - t1, 3),

@@ -229,6 +229,8 @@ class Recorder:
             (self._empty_cache or torch.cuda.empty_cache)()
             torch.cuda.synchronize()
             self.flush_times.append((point, time.perf_counter() - t0))  # measured: the cudaFree calls' cost
+        elif self.row_source is not None and hasattr(self.row_source, "flush_sync"):
+            self.row_source.flush_sync()  # the simulated device: empty_cache's wait for every stream first
         self._mark(FLUSH, point)
 
     @contextlib.contextmanager

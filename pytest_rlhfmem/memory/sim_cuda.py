@@ -97,7 +97,8 @@ def record_stream_mode(name: str | None = None) -> str:
     return name
 
 
-def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]]) -> list[tuple[int, tuple]]:
+def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]],
+                              ignored: frozenset[int] = frozenset()) -> list[tuple[int, tuple]]:
     """The log with each cross-stream block's free split in two: the program's free where it happened
     (action :data:`FREE_REQUESTED_ACTION`: the stats drop) and the block's return to its pool at the host
     synchronization that completes its streams' events: ``[(position, (action, addr, size, stream, time_us))]``,
@@ -108,7 +109,8 @@ def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]]) -> l
     block at ``addr`` on ``stream``, 4 a host wait for ``stream`` (``-1`` every stream). Follows
     CUDACachingAllocator.cpp: ``recordStream`` ignores the block's own stream; ``free`` of a block with other
     streams' uses holds it until an event on each completes (here: until the host waits for that stream, the
-    ``until-sync`` bound); frees still held at the end come after the last event."""
+    ``until-sync`` bound); frees still held at the end come after the last event. ``ignored``: positions of host
+    waits taken as not having happened (the flush policy's, for the run without it: ``SimCudaRows.rows``)."""
     stream_of: dict[int, int] = {}  # live block -> the stream it was allocated on
     uses: dict[int, set[int]] = {}  # live block -> other streams recorded on it
     held: dict[int, tuple[tuple, set[int]]] = {}  # freed block -> (its free event, streams not yet waited for)
@@ -129,7 +131,7 @@ def delay_record_stream_frees(events: list[tuple[int, int, int, int, int]]) -> l
         elif action == LOG_RECORD_STREAM:
             if addr in stream_of and stream != stream_of[addr]:
                 uses.setdefault(addr, set()).add(stream)
-        elif action == LOG_SYNC:
+        elif action == LOG_SYNC and i not in ignored:
             for addr2 in list(held):
                 free, streams = held[addr2]
                 if stream == ALL_STREAMS:
@@ -168,6 +170,7 @@ class SimCudaRows:
         self._marks: list[tuple[int, int, int]] = []  # (event index, time_ns, mark index)
         self.streams: dict[int, int] = {}  # address -> stream, for blocks allocated on a side stream
         self.delayed_frees = 0  # frees moved to a later host wait (record_stream until-sync)
+        self.flush_syncs: list[int] = []  # log positions (from start) of the flush policy's host waits
 
     def install(self) -> bool:
         return True
@@ -194,12 +197,23 @@ class SimCudaRows:
         recorder's mark index)``."""
         return [(at - self._start, k) for at, _t, k in self._marks[since:]]
 
-    def rows(self) -> _Rows:
+    def flush_sync(self) -> None:
+        """The flush policy's ``empty_cache()`` waits for every stream first (``release_cached_blocks`` begins with
+        ``synchronize_and_free_events``), so held blocks return before it releases segments: a host wait in the
+        log, remembered so that :meth:`rows` can leave it out for the run without the policy. Logged under
+        ``until-sync`` only (nothing is held otherwise)."""
+        if record_stream_mode() == "until-sync":
+            self.flush_syncs.append(self.lib.rlhfmem_sim_cuda_event_count() - self._start)
+            self.lib.rlhfmem_sim_cuda_log(LOG_SYNC, 0, ALL_STREAMS)
+
+    def rows(self, without_flush_syncs: bool = False) -> _Rows:
+        """The log as recorder rows (see the class); ``without_flush_syncs``: as if the flush policy's host waits
+        (:meth:`flush_sync`) had not happened, a held block returning at the next other wait instead."""
         out = _Rows()
         marks = iter(self._marks)
         nxt = next(marks, None)
         events = self.events()
-        placed = delay_record_stream_frees(events)
+        placed = delay_record_stream_frees(events, frozenset(self.flush_syncs) if without_flush_syncs else frozenset())
         self.delayed_frees = sum(1 for _i, ev in placed if ev[0] == FREE_REQUESTED_ACTION)
         kinds = {1: 0, 2: 1, FREE_REQUESTED_ACTION: 3}  # recorder rows: 0 alloc, 1 free, 3 free requested
         for i, (action, addr, size, stream, t_us) in placed:

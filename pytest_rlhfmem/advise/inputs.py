@@ -27,6 +27,7 @@ from ..memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 from ..memory.trace_io import TraceFileError, load_trace, resolve_trace_path
 
 WINDOWS = 8  # boundaries of a trace without phases
+POLICY_FLUSH_PREFIX = "after-"  # the flush policy's FLUSH names: after-<phase> (rlhf/common.py maybe_flush)
 
 
 MARKS_HINT = ("no phase marks: the whole program is one window (run), so no flush placement can be advised; "
@@ -127,8 +128,17 @@ class ScenarioInput:
     torch_version: str | None = None  # the run's torch (a result's versions); None for a snapshot pickle
 
 
-def _rank_input(rank: int, trace: Trace) -> RankInput:
-    program, recorded = program_events(trace)
+def _is_library_flush(e: Event) -> bool:
+    """A flush the recipe's code or a library made (``empty_cache@<file>:<line>``, e.g. DeepSpeed's ZeRO-2 init and
+    Hybrid Engine), not the flush policy's (``after-<phase>``, rlhf/common.py ``maybe_flush``)."""
+    return not e.name.startswith(POLICY_FLUSH_PREFIX)
+
+
+def _rank_input(rank: int, trace: Trace, library_flushes: bool = False) -> RankInput:
+    """``library_flushes`` (a recipe result: its flush policy is known): the recipe's and libraries' own
+    ``empty_cache()`` calls stay in the program, as every policy's run makes them; only the policy's flushes are
+    placements. Otherwise (a capture, a snapshot) every flush is a placement the advisor may move or drop."""
+    program, recorded = program_events(trace, _is_library_flush if library_flushes else None)
     kw = {"initial_segments": trace.initial_segments, "allocator_settings": trace.allocator_settings,
           "capture": trace.capture}
     pc = columns_from_trace(Trace(events=program, **kw))
@@ -156,6 +166,7 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
         out = []
         for r in results:
             ranks = []
+            policy = (r.get("scenario") or {}).get("flush")
             for rk in r.get("ranks") or []:
                 tf = rk.get("trace_file")
                 if not tf:
@@ -163,7 +174,8 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
                         f"{p}: {r['scenario_id']} rank {rk.get('rank')} names no trace file (a result written "
                         "before results saved their traces, or a run without capture): rerun it to advise")
                 try:
-                    ranks.append(_rank_input(int(rk.get("rank", len(ranks))), load_trace(resolve_trace_path(tf, p))))
+                    ranks.append(_rank_input(int(rk.get("rank", len(ranks))), load_trace(resolve_trace_path(tf, p)),
+                                             library_flushes=policy is not None))
                 except TraceFileError as exc:
                     raise AdviseInputError(str(exc)) from None
             if not ranks:
@@ -175,7 +187,7 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
             out.append(ScenarioInput(r["scenario_id"], r.get("capture") or ranks[0].trace.capture, ranks,
                                      measured=r.get("metrics"), measured_flush_s=measured_s,
                                      flush_segments_released=released,
-                                     flush_policy=(r.get("scenario") or {}).get("flush"),
+                                     flush_policy=policy,
                                      torch_version=(r.get("versions") or {}).get("torch")))
         return out
     try:

@@ -9,6 +9,8 @@ placements. Sizes are bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .events import ALLOC, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, SEGMENT_FREE, Event, Trace
 from .recorded import recorded_release_batches
 from .replay import FREE_RUNNING, replay
@@ -16,9 +18,12 @@ from .replay import FREE_RUNNING, replay
 RECORDED_FLUSH = "recorded-empty_cache"  # the name of a flush read off a CUDA snapshot's release batch
 
 
-def program_events(trace: Trace) -> tuple[list[Event], list[Event]]:
+def program_events(trace: Trace, keep_flush: Callable[[Event], bool] | None = None
+                   ) -> tuple[list[Event], list[Event]]:
     """``(program, as_recorded)``: the program's own events (alloc, free, phase marks) without any flush
-    or allocator decision, and the same with the recorded flushes as FLUSH events.
+    or allocator decision, and the same with the recorded flushes as FLUSH events. ``keep_flush``: FLUSH
+    events it accepts stay in the program too (the advisor keeps a recipe's library calls, which every flush
+    policy's run makes).
 
     Recorded flushes are the trace's FLUSH events and, in a CUDA snapshot, each ``segment_free`` batch
     that no allocation followed (a ``torch.cuda.empty_cache()``); a batch followed by a cudaMalloc is the
@@ -36,6 +41,8 @@ def program_events(trace: Trace) -> tuple[list[Event], list[Event]]:
             recorded.append(e)
         elif a == FLUSH:
             recorded.append(e)
+            if keep_flush is not None and keep_flush(e):
+                program.append(e)
         elif a == SEGMENT_FREE and i in batches and batches[i] is None:
             recorded.append(Event(FLUSH, time_us=e.time_us, name=RECORDED_FLUSH))
     return program, recorded

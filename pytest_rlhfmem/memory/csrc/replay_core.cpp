@@ -1201,7 +1201,9 @@ struct Model {
           collector.after_event(st.allocated_bytes, time_us[idx]);
           break;
         }
-        case A_FREE: {
+        case A_FREE:
+        case A_FREE_REQUESTED: {  // FREE_REQUESTED (record_stream): out of the stats now, back in its pool at its FREE
+          bool request = action == A_FREE_REQUESTED;
           Block* block = nullptr;
           if (LiveRef* found = live.find(addr[idx])) {
             if (found->block->serial != found->serial) {  // merged away since: a double free
@@ -1209,36 +1211,14 @@ struct Model {
               return 1;
             }
             block = found->block;
-            live.erase(addr[idx]);
+            if (!request) live.erase(addr[idx]);  // a requested block stays in live: its FREE finds it there
           } else if (Block** ab = active_blocks.find(addr[idx])) {  // allocated before the trace began
             block = *ab;
           } else {
             unmatched_frees += 1;
             break;
           }
-          if (!free(block)) {
-            error_event = idx;
-            return 1;
-          }
-          last_was_free = false;
-          collector.after_event(st.allocated_bytes, time_us[idx]);
-          break;
-        }
-        case A_FREE_REQUESTED: {  // record_stream: out of the stats now, back in its pool at its FREE
-          Block* block = nullptr;
-          if (LiveRef* found = live.find(addr[idx])) {  // stays in live: its FREE finds it there
-            if (found->block->serial != found->serial) {  // merged away since: a double free
-              error_event = idx;
-              return 1;
-            }
-            block = found->block;
-          } else if (Block** ab = active_blocks.find(addr[idx])) {  // allocated before the trace began
-            block = *ab;
-          } else {
-            unmatched_frees += 1;
-            break;
-          }
-          if (!request_free(block)) {
+          if (!(request ? request_free(block) : free(block))) {
             error_event = idx;
             return 1;
           }

@@ -78,9 +78,12 @@ PORTABLE_FIGURES = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", 
 # 10.5 MiB allocated and two cudaMallocs. ZeRO-3 stages: whether a block freed by a communication thread is
 # already free when empty_cache() runs decides whether its segment is released, so the cudaMalloc count moved by
 # up to 3 (zero3-offload after-inference: 9, 10 and 12 in three runs); with DeepSpeed's own empty_cache() calls
-# recorded (zero/utils.py, in init) that holds with no flush policy too. Everything else is exact.
+# recorded (zero/utils.py, in init) that holds with no flush policy too; and two of those 512-byte blocks can land
+# on either side of the peak (zero3-offload flush-none, native vs forced weakest CPU: fragmentation at peak
+# 13,336,576 vs 13,335,552 B in the clean-clone CI of bb96af6; peak reserved and allocated equal). Everything else
+# is exact.
 ZERO2_RACE = {"peak_allocated": 512, "fragmentation_at_peak": 512}
-ZERO3_FLUSH_RACE = {"peak_allocated": 512, "fragmentation_at_peak": 512, "cuda_malloc_count": 3}
+ZERO3_FLUSH_RACE = {"peak_allocated": 1024, "fragmentation_at_peak": 1024, "cuda_malloc_count": 3}
 DDP_RACE = {"peak_reserved": 14 * 2**20, "peak_allocated": 11 * 2**20, "fragmentation_at_peak": 14 * 2**20,
             "cuda_malloc_count": 2}
 

@@ -31,6 +31,13 @@ def capture(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     return rlhfmem_cli("capture", *args, timeout=timeout)
 
 
+@pytest.fixture(autouse=True)
+def _work_dirs_under_tmp_path(tmp_path_factory, monkeypatch):
+    """A capture keeps its work directory (``tempfile.mkdtemp``) with ``--keep-work`` or after a failed run: these
+    tests make both, so the CLI's temporary directory is pytest's, not /tmp (three were left per run)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+
+
 def test_api_without_capture_loads_nothing_and_returns_the_null_context():
     code = """
 import sys

@@ -17,6 +17,7 @@ from .units import format_size
 
 def _replay(args: argparse.Namespace) -> int:
     from .memory.allocator import AllocatorConfig, AllocatorConfigError
+    from .memory.driver_va import SegmentPlacement
     from .memory.replay import ANCHORED, ReplayError, agreement, replay_columns, replay_json
     from .memory.replay_engine import load_columns_for_replay, recorded_summary_columns
     from .memory.trace import SnapshotError, snapshot_columns_for_replay
@@ -34,6 +35,12 @@ def _replay(args: argparse.Namespace) -> int:
             if "unavailable" in reader:
                 print(f"rlhfmem: note: {reader[len('python ('):-1]}; the pickle was read in Python", file=sys.stderr)
         config = config or recorded_config
+        if args.segment_placement is not None:
+            try:
+                config = config.with_options(segment_placement=SegmentPlacement.parse(args.segment_placement,
+                                                                                      "--segment-placement"))
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
         capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
         result = replay_columns(trace, config=config, mode=args.mode, capacity=capacity, engine=args.engine)
     except (SnapshotError, AllocatorConfigError, ReplayError, TraceFileError) as exc:
@@ -192,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--address-orders", type=int, default=0, metavar="N",
                    help="also replay under N seeded random placements of new segments (the driver's choice; "
                         "best fit breaks ties by address) and print the spread of peak reserved")
+    r.add_argument("--segment-placement", default=None, metavar="SPEC",
+                   help="with --free-running: where the driver maps each new segment: above-last (the model's "
+                        "default), first-fit or first-fit:SIZE (lowest free range; SIZE held by the CUDA context "
+                        "until the first cuBLAS handle); default: the trace's own (docs/allocator-model.md)")
     r.add_argument("--peak-origin", action="store_true",
                    help="with --free-running: break the peak's fragmentation down by the phase that made each "
                         "segment (the model's state just before the peak's cudaMalloc)")

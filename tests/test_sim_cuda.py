@@ -14,15 +14,16 @@ from helpers import DATA, shared_snapshot
 
 from pytest_rlhfmem.command.run import run_command
 from pytest_rlhfmem.fidelity.workloads import recorded_figures
+from pytest_rlhfmem.memory.driver_va import ENV_SEGMENT_PLACEMENT
 from pytest_rlhfmem.memory.trace import load_snapshot
 
 COMMANDS = DATA / "commands"
 SEGMENT_40_MIB = 41_943_040
 
 
-def capture(tmp_path: Path, script: str, *args: str, id: str) -> dict:  # noqa: A002
+def capture(tmp_path: Path, script: str, *args: str, id: str, env: dict | None = None) -> dict:  # noqa: A002
     result = run_command([str(COMMANDS / script), *args], id, device="cuda-sim", work_dir=tmp_path / "work",
-                         timeout=900)
+                         timeout=900, env=env)
     assert result["status"] == "ok", result.get("failure") or Path(result["log"]).read_text()[-3000:]
     return result
 
@@ -79,16 +80,36 @@ def _compare(dumped: Path, recording: str) -> dict:
             "extra": Counter(cap["sizes"]) - Counter(rec["sizes"])}
 
 
+def _layout(snapshot: Path) -> list:
+    """The segments in address order, each as its blocks' (size, state): what a driver placement decides."""
+    segments = sorted(load_snapshot(snapshot)["segments"], key=lambda s: s["address"])
+    return [[(b["size"], b["state"]) for b in s["blocks"]] for s in segments]
+
+
+def context_reserve_of_the_recordings_gpu() -> int:
+    """The range the CUDA context held below the program's first segment on the GPU of the wedson recordings,
+    read off the INFERENCE recording only: its lowest segment's address to the embedding's (the parameter moved
+    first: the one block of 40,960,000 B requested, vocab 10,000 x d_model 1,024 fp32, at the lower address)."""
+    segments = load_snapshot(shared_snapshot("wedson_medium_128_inference"))["segments"]
+    embedding = min(s["address"] for s in segments if any(b.get("requested_size") == 40_960_000 for b in s["blocks"]))
+    return embedding - min(s["address"] for s in segments)
+
+
 def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_path):
     """wedson_medium_128_inference: the profiling script as written for a GPU (model built on the host,
     ``.to("cuda")``, no seed), its own ``_dump_snapshot`` of the recorded step: the same 1,280 allocation
-    sizes in order, peak reserved and peak allocated equal to the byte, and the same in a second run."""
+    sizes in order, peak reserved and peak allocated equal to the byte, under the model's default placement and
+    under the driver's first-fit one; with first-fit the 98 segments lie in the GPU's address order, block for
+    block."""
     shared_snapshot("wedson_medium_128_inference")  # skips, naming the path, before any run when it is missing
+    reserve = context_reserve_of_the_recordings_gpu()
+    assert reserve == 188 * 2**20
     runs = []
-    for k in range(2):
+    for k, placement in enumerate((None, f"first-fit:{reserve}")):
         snap = tmp_path / f"inference-{k}.pickle"
         capture(tmp_path / str(k), "cs336_memory_profile.py", "--mode", "inference", "--context-length", "128",
-                "--out", str(snap), id="cs336-inference")
+                "--out", str(snap), id="cs336-inference",
+                env={ENV_SEGMENT_PLACEMENT: placement} if placement else None)
         runs.append(_compare(snap, "wedson_medium_128_inference"))
     for c in runs:
         rec, cap = c["recorded"], c["captured"]
@@ -96,47 +117,64 @@ def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_pa
         assert cap["peak_reserved"] == rec["peak_reserved"] == 1_763_704_832
         assert cap["peak_allocated"] == rec["peak_allocated"] == 1_738_928_128
     assert runs[0]["captured"] == runs[1]["captured"]
+    assert _layout(snap) == _layout(shared_snapshot("wedson_medium_128_inference"))
 
 
-def test_cs336_training_script_unchanged_against_the_gpu_recording(tmp_path):
-    """wedson_medium_256_training, run twice: forward, loss, backward, AdamW. The recorded step's allocations and frees
-    are the GPU's event for event, in order (13,027 of them: the 49 reductions' 8,388,608 B staging buffers
-    and 32 B semaphores, the embedding backward's sort buffers and cub's 1-byte temp storage included);
-    peak allocated is equal to the byte.
+def test_cs336_training_script_unchanged_matches_the_gpu_recording_under_the_drivers_placement(tmp_path, capsys):
+    """wedson_medium_256_training: forward, loss, backward, AdamW. The recorded step's allocations and frees are
+    the GPU's event for event, in order (13,027 of them: the 49 reductions' 8,388,608 B staging buffers and 32 B
+    semaphores, the embedding backward's sort buffers and cub's 1-byte temp storage included).
 
-    Peak reserved is what the five warm-up steps left cached, and that depends on where the driver mapped
-    each cudaMalloc: best fit takes the lowest address among equal-size free blocks. Under the model's
-    placement (each new segment above the last) the capture holds one 41,943,040 B segment less than the GPU
-    (-0.45%); replayed under 16 seeded random placements (memory/address_order.py) the same trace gives
-    the GPU's 9,265,217,536 B in 8 of them and ranges from -0.91% to +0% around it."""
+    Peak reserved is what the five warm-up steps left cached, which depends on where the driver mapped each
+    cudaMalloc (best fit takes the lowest address among equal-size free blocks). With the driver's first-fit
+    placement and the context's range read off the inference recording (``--segment-placement
+    first-fit:188MiB``), two runs give the GPU's peak reserved and peak allocated to the byte and its 495
+    segments in address order, block for block. Under the model's default placement (each new segment above
+    the last) the capture holds one 41,943,040 B segment less (-0.45%), one of the figures 16 seeded random
+    placements give (memory/address_order.py)."""
     from pytest_rlhfmem.memory.address_order import address_order_spread
     from pytest_rlhfmem.memory.trace_io import load_trace
 
-    shared_snapshot("wedson_medium_256_training")
-    runs = []
-    for k in range(2):  # twice in a row: the same figures (no value is computed, no seed is set)
+    recording = shared_snapshot("wedson_medium_256_training")
+    placement = f"first-fit:{context_reserve_of_the_recordings_gpu()}"
+    runs, results = [], []
+    for k, env in enumerate(({ENV_SEGMENT_PLACEMENT: placement}, {ENV_SEGMENT_PLACEMENT: placement}, None)):
         snap = tmp_path / f"training-{k}.pickle"
-        result = capture(tmp_path / str(k), "cs336_memory_profile.py", "--mode", "training", "--context-length",
-                         "256", "--out", str(snap), id="cs336-training")
-        runs.append(recorded_figures(snap))
-    assert runs[0] == runs[1]
-    rec_data, cap_data = load_snapshot(shared_snapshot("wedson_medium_256_training")), load_snapshot(snap)
+        results.append(capture(tmp_path / str(k), "cs336_memory_profile.py", "--mode", "training",
+                               "--context-length", "256", "--out", str(snap), id="cs336-training", env=env))
+        runs.append(_compare(snap, "wedson_medium_256_training"))
+    rec_data = load_snapshot(recording)
 
     def sequence(data: dict) -> list[tuple[str, int]]:
         return [(e["action"], e["size"]) for e in data["device_traces"][0]
                 if e["action"] in ("alloc", "free_completed")]
 
-    assert sequence(cap_data) == sequence(rec_data) and len(sequence(rec_data)) == 13_027
-    c = _compare(snap, "wedson_medium_256_training")
-    rec, cap = c["recorded"], c["captured"]
-    assert cap["peak_allocated"] == rec["peak_allocated"] == 9_113_374_720
-    assert not c["missing"] and not c["extra"]
-    assert rec["peak_reserved"] - cap["peak_reserved"] == SEGMENT_40_MIB
-    spread = address_order_spread(load_trace(result["ranks"][0]["trace_file"]), orders=16, seed=0)
-    assert spread["model_order"]["peak_reserved"] == cap["peak_reserved"]
-    assert spread["peak_reserved"]["counts"].get(rec["peak_reserved"], 0) >= 1  # the GPU's figure is one outcome
-    assert spread["peak_reserved"]["min"] <= cap["peak_reserved"] <= rec["peak_reserved"] \
-        <= spread["peak_reserved"]["max"]
+    first_fit, default = runs[:2], runs[2]
+    assert first_fit[0]["captured"] == first_fit[1]["captured"]  # twice in a row: the same figures
+    for c in runs:
+        assert c["captured"]["peak_allocated"] == c["recorded"]["peak_allocated"] == 9_113_374_720
+        assert not c["missing"] and not c["extra"]
+    assert sequence(load_snapshot(tmp_path / "training-0.pickle")) == sequence(rec_data)
+    assert len(sequence(rec_data)) == 13_027
+    for c in first_fit:
+        assert c["captured"]["peak_reserved"] == c["recorded"]["peak_reserved"] == 9_265_217_536
+    for k in (0, 1):
+        assert _layout(tmp_path / f"training-{k}.pickle") == _layout(recording)
+    assert results[0]["capture_description"]["segment_placement"] == placement
+    assert "segment_placement" not in results[2]["capture_description"]
+    assert default["recorded"]["peak_reserved"] - default["captured"]["peak_reserved"] == SEGMENT_40_MIB
+    spread = address_order_spread(load_trace(results[2]["ranks"][0]["trace_file"]), orders=16, seed=0)
+    assert spread["model_order"]["peak_reserved"] == default["captured"]["peak_reserved"]
+    assert spread["peak_reserved"]["counts"].get(default["recorded"]["peak_reserved"], 0) >= 1
+    # the default capture's own trace, replayed under the driver's placement: the GPU's figure (a trace does not
+    # depend on the placement; its replay does)
+    from pytest_rlhfmem.cli import main
+
+    assert main(["replay", results[2]["ranks"][0]["trace_file"], "--free-running", "--segment-placement", placement,
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["segment_placement"] == placement
+    assert out["simulated"]["peak_reserved"] == default["recorded"]["peak_reserved"]
 
 
 def test_memory_efficient_attention_keeps_output_and_logsumexp_not_the_score_matrix(tmp_path):

@@ -14,8 +14,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
         usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-sim] [--json OUT] "
-              "[--sdpa math|efficient] [--snapshot-dir DIR] [--timeout S] [--id ID] [--cuda-emulation on|off] "
-              "[--time-rounds N] "
+              "[--sdpa math|efficient] [--segment-placement SPEC] [--snapshot-dir DIR] [--timeout S] [--id ID] "
+              "[--cuda-emulation on|off] [--time-rounds N] "
               "[--keep-work] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
@@ -27,6 +27,11 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --device cuda-sim: the kernel scaled_dot_product_attention runs (a GPU picks by dtype, "
                         "head size, mask and architecture): math (the score matrix; default) or efficient "
                         "(memory-efficient attention: output and logsumexp only)")
+    c.add_argument("--segment-placement", default=None, metavar="SPEC",
+                   help="with --device cuda-sim: where the driver maps each cudaMalloc in the replays: above-last "
+                        "(default: each new segment above the previous one), first-fit, or first-fit:SIZE (the "
+                        "lowest free range that fits, below which the CUDA context holds SIZE until the first "
+                        "cuBLAS handle; 188MiB on the GPU of the wedson recordings: docs/allocator-model.md)")
     c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     c.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -47,6 +52,7 @@ def _capture(args: argparse.Namespace) -> int:
     from ..timing import run_rounds
     from ..rlhf.cli_run import finish_runs, phase_table
     from .run import CommandError, default_id, plan_command, run_command
+    from ..memory.driver_va import ENV_SEGMENT_PLACEMENT, SegmentPlacement
     from ..memory.sim_cuda import ENV_SDPA
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -59,7 +65,15 @@ def _capture(args: argparse.Namespace) -> int:
     if args.sdpa is not None and args.device != "cuda-sim":
         raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, "
                        f"got --device {args.device}")
-    env = {ENV_SDPA: args.sdpa} if args.sdpa else None
+    env = {ENV_SDPA: args.sdpa} if args.sdpa else {}
+    if args.segment_placement is not None:
+        if args.device != "cuda-sim":
+            raise CliError("--segment-placement places the simulated CUDA device's segments: it needs --device "
+                           f"cuda-sim, got --device {args.device}")
+        try:
+            env[ENV_SEGMENT_PLACEMENT] = SegmentPlacement.parse(args.segment_placement, "--segment-placement").spec()
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     try:
         ident = args.capture_id or default_id(cmd, plan_command(cmd, args.world_size, args.nproc_per_node)[1])
     except CommandError as exc:
@@ -67,7 +81,7 @@ def _capture(args: argparse.Namespace) -> int:
     def once(snapshot_dir: str | None) -> dict:
         return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                            device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
-                           cuda_emulation=args.cuda_emulation, env=env)
+                           cuda_emulation=args.cuda_emulation, env=env or None)
 
     try:
         result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)

@@ -35,10 +35,11 @@ class LiveAllocator:
     refuses ``until-sync``), and a FLUSH mark (the script's ``empty_cache()``) empties the model's cache."""
 
     def __init__(self, get_rec: Any) -> None:
-        from ..memory.allocator import CachingAllocatorModel
+        from ..memory.allocator import AllocatorConfig, CachingAllocatorModel
+        from ..memory.driver_va import SegmentPlacement
 
         self.get_rec = get_rec
-        self.model = CachingAllocatorModel()
+        self.model = CachingAllocatorModel(AllocatorConfig(segment_placement=SegmentPlacement.from_env()))
         self._blocks: dict[int, Any] = {}
         self._fed = 0  # log events read, counted from the recorder's start
         self._marks_fed = 0
@@ -49,6 +50,7 @@ class LiveAllocator:
         rec = self.get_rec()
         log = rec.row_source
         events, marks = log.events(self._fed), log.marks(self._marks_fed)
+        workspaces = log.workspace_addresses() if self.model.driver is not None else frozenset()
         pending = iter(marks)
         mark = next(pending, None)
         for j, (action, addr, size, stream, _t) in enumerate(events, start=self._fed):
@@ -57,6 +59,8 @@ class LiveAllocator:
                     self.model.empty_cache()
                 mark = next(pending, None)
             if action == 1:
+                if addr in workspaces:
+                    self.model.cublas_handle_created()
                 self._blocks[addr] = self.model.malloc(size, stream)
             elif action == 2 and addr in self._blocks:
                 self.model.free(self._blocks.pop(addr))
@@ -112,10 +116,11 @@ class History:
 
         trace = self.get_rec().trace_so_far()
         since = self.since or 0
-        before = replay(Trace(events=trace.events[:since], capture=trace.capture), mode=FREE_RUNNING,
-                        record_series=False, record_events=True)
+        kw = {"capture": trace.capture, "allocator_settings": trace.allocator_settings}
+        before = replay(Trace(events=trace.events[:since], **kw), mode=FREE_RUNNING, record_series=False,
+                        record_events=True)
         now = replay(trace, mode=FREE_RUNNING, record_series=False, record_events=True)
-        window = Trace(events=(now.events or [])[len(before.events or []):], capture=trace.capture)
+        window = Trace(events=(now.events or [])[len(before.events or []):], **kw)
         import io
         import tempfile
         from pathlib import Path

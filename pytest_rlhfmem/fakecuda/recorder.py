@@ -340,6 +340,7 @@ def sim_device_recorder(on_phase: object = None):
     and ``torch`` imported."""
     from ..memory.capture import Recorder
     from ..memory.sim_cuda import SimCudaRows
+    from ..memory.driver_va import SegmentPlacement
 
     @dataclass
     class SimDeviceRecorder(Recorder):
@@ -361,4 +362,5 @@ def sim_device_recorder(on_phase: object = None):
         def moved_to_device(self, tensors: Iterable) -> None:
             pass  # ... and the allocation of a move back
 
-    return SimDeviceRecorder("cuda-sim", on_phase=on_phase, row_source=SimCudaRows(cublas_workspace_bytes()))
+    return SimDeviceRecorder("cuda-sim", on_phase=on_phase, row_source=SimCudaRows(cublas_workspace_bytes()),
+                             segment_placement=SegmentPlacement.from_env())

@@ -44,6 +44,8 @@ from collections.abc import Callable
 
 from bisect import bisect_left, insort
 
+from .driver_va import FirstFitAddressSpace, SegmentPlacement
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -122,6 +124,9 @@ def _is_power_of_2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+# allocator_settings key of a trace captured under a segment placement other than the default (driver_va.py)
+SEGMENT_PLACEMENT_KEY = "rlhfmem_segment_placement"
+
 _ALLOWED_KEYS = (
     "max_split_size_mb",
     "max_non_split_rounding_mb",
@@ -154,8 +159,9 @@ class AllocatorConfig:
     Not from the conf string: ``torch_version`` ``(major, minor)`` selects the behaviours of that release
     (``None``: the newest modelled); ``use_on_oom_pools`` and ``no_split_pools`` are the ids of the
     ``torch.cuda.MemPool`` objects created with ``use_on_oom=True`` / ``no_split=True`` (a snapshot does not
-    record them), ``use_on_oom_pools`` in the order they are tried. Raises :class:`AllocatorConfigError` for a
-    setting the given version does not have.
+    record them), ``use_on_oom_pools`` in the order they are tried; ``segment_placement`` is the driver's, not
+    PyTorch's (``driver_va.py``; a trace carries it as ``allocator_settings[SEGMENT_PLACEMENT_KEY]``). Raises
+    :class:`AllocatorConfigError` for a setting the given version does not have.
     """
 
     max_split_size: int = UNLIMITED
@@ -171,6 +177,8 @@ class AllocatorConfig:
     no_split_pools: tuple[tuple[int, int], ...] = ()
     # why torch_version is what it is ("given", what the snapshot's settings prove, or "" = unknown)
     torch_version_source: str = field(default="", compare=False)
+    # where the driver maps each new segment in a free-running replay (driver_va.py): not PyTorch's setting
+    segment_placement: SegmentPlacement = SegmentPlacement()
 
     def __post_init__(self) -> None:
         # accept "2.10.0+cu128" and lists of ids (normalised: the config is hashable and compares by value)
@@ -303,6 +311,11 @@ class AllocatorConfig:
             version, source = torch_version_from_settings(settings)
         if not settings:
             return cls(torch_version=version, torch_version_source=source)
+        try:
+            placement = SegmentPlacement.parse(settings.get(SEGMENT_PLACEMENT_KEY),
+                                               f"allocator_settings[{SEGMENT_PLACEMENT_KEY!r}]")
+        except ValueError as exc:
+            raise AllocatorConfigError(str(exc)) from None
         # PyTorch >= 2.9 reads PYTORCH_ALLOC_CONF first and PYTORCH_CUDA_ALLOC_CONF as its alias
         conf = settings.get("PYTORCH_ALLOC_CONF") or settings.get("PYTORCH_CUDA_ALLOC_CONF") or ""
         config = cls.parse(conf, version)
@@ -310,7 +323,8 @@ class AllocatorConfig:
             # set through torch.cuda.memory._set_allocator_settings: the flag is in the settings only
             conf = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
             config = cls.parse(conf, version)
-        return config.with_options(torch_version_source=source, **_effective_settings(settings, config))
+        return config.with_options(torch_version_source=source, segment_placement=placement,
+                                   **_effective_settings(settings, config))
 
     def roundup_divisions_for(self, size: int) -> int:
         """``CUDAAllocatorConfig::roundup_power2_divisions(size)``."""
@@ -719,6 +733,8 @@ class CachingAllocatorModel:
         # cudaMalloc size, or None for a new expandable segment (its virtual base).
         self._next_synthetic_address = 1 << 56  # far above real CUDA virtual addresses
         self.address_for_new_segment: Callable[[int | None], int | None] | None = None
+        # the driver's address ranges under first-fit placement (None: each new segment above the last)
+        self.driver: FirstFitAddressSpace | None = self.config.segment_placement.address_space()
         # Set by an anchored replay when the recorded run's first cudaMalloc for this request failed.
         self.fail_next_cuda_malloc = False
 
@@ -966,6 +982,8 @@ class CachingAllocatorModel:
 
     def _new_address(self, size: int | None, span: int) -> int:
         address = self.address_for_new_segment(size) if self.address_for_new_segment else None
+        if address is None and size is not None and self.driver is not None:
+            return self.driver.map(size)
         if address is None:
             address = self._next_synthetic_address
             self._next_synthetic_address += span + kRoundLarge
@@ -1223,8 +1241,16 @@ class CachingAllocatorModel:
         st = self.stats
         st.reserved_bytes -= block.size
         st.num_device_free += 1
+        if self.driver is not None:
+            self.driver.unmap(block.address)
         if self.on_segment_free is not None:
             self.on_segment_free(block.address, block.size, block.stream)
+
+    def cublas_handle_created(self) -> None:
+        """The program created its first cuBLAS handle (the driver's context may give address space back:
+        ``driver_va.py``); nothing changes under the default placement."""
+        if self.driver is not None:
+            self.driver.cublas_handle_created()
 
     def release_blocks(self, pool: BlockPool) -> None:
         """``release_blocks``: every unsplit free block of ``pool`` in pool order, then the whole free

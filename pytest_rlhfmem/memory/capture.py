@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
 from . import emulation
+from .allocator import SEGMENT_PLACEMENT_KEY
+from .driver_va import ABOVE_LAST, SegmentPlacement
+from .events import CUBLAS_WORKSPACE
 from .host import HostMemory
 from .trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, FREE_REQUESTED, PHASE,
@@ -94,6 +97,8 @@ class Recorder:
     host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
     # "cuda-sim": the simulated CUDA device's log (memory/sim_cuda.py: SimCudaRows), read as recorder rows
     row_source: object = None
+    # "cuda-sim": where the driver maps segments in this capture's replays (driver_va.py), kept in its trace
+    segment_placement: SegmentPlacement = field(default_factory=SegmentPlacement)
     flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -350,7 +355,13 @@ class Recorder:
         if streams:
             events = [e._replace(stream=streams[e.addr])
                       if e.action in (ALLOC, FREE, FREE_REQUESTED) and e.addr in streams else e for e in events]
-        return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend)
+        workspaces = self.row_source.workspace_addresses()
+        events = [e._replace(name=CUBLAS_WORKSPACE) if e.action == ALLOC and e.addr in workspaces else e
+                  for e in events]
+        placement = self.segment_placement  # a replay of this trace places segments as the capture did
+        settings = {SEGMENT_PLACEMENT_KEY: placement.spec()} if placement.kind != ABOVE_LAST else None
+        return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend,
+                     allocator_settings=settings)
 
     def mark_kind(self, k: int) -> str:
         """The kind of the recorder's ``k``-th mark (PHASE, PHASE_END, FLUSH, POOL_ENTER, ...)."""

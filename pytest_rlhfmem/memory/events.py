@@ -36,6 +36,10 @@ POOL_RELEASE = "pool_release"
 PHASE = "phase"  # a phase begins (name); the previous one ends
 PHASE_END = "phase_end"  # a phase's code is done (name); what follows until the next PHASE is between phases
 FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which policy point)
+# The name of the ALLOC of a cuBLAS handle's workspace (CublasHandlePool.cpp: the handle is created just before):
+# the simulated CUDA device names its workspaces; a first-fit replay gives the CUDA context's range back at the
+# first (driver_va.py). Other ALLOCs carry no name.
+CUBLAS_WORKSPACE = "cublas-workspace"
 SEGMENT_ACTIONS = (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)  # the allocator's own decisions
 
 # How a trace was obtained: part of every result, budget and report.

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
 from .events import (
-    ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
-    SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
+    ALLOC, CUBLAS_WORKSPACE, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, POOL_ENTER, POOL_EXIT, POOL_RELEASE,
+    SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
 )
 from .metrics import MetricsCollector
 from .recorded import CREATIONS, RELEASES, infer_capacity, recorded_release_batches
@@ -153,6 +153,8 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
             if idx in retry_allocs:
                 model.fail_next_cuda_malloc = anchored
             retries, ooms = st.num_alloc_retries, st.num_ooms
+            if ev.name == CUBLAS_WORKSPACE:
+                model.cublas_handle_created()
             try:
                 block = live[ev.addr] = malloc(ev.size, ev.stream)
                 if out_events is not None:

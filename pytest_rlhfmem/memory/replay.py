@@ -149,6 +149,7 @@ def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace, res
         "mode": mode,
         "alloc_conf": config.source,
         "expandable_segments": config.expandable_segments,
+        "segment_placement": config.segment_placement.spec(),
         "torch_version": ".".join(map(str, config.torch_version)) if config.torch_version else None,
         "torch_version_source": config.torch_version_source or "unknown: the newest modelled behaviour",
         "capacity": result.capacity,

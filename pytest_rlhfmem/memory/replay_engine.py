@@ -33,6 +33,7 @@ from .allocator import (
 )
 from .cbuild import build_library
 from .columns import ACTIONS, CODE, OTHER, TraceColumns, columns_from_trace
+from .driver_va import ABOVE_LAST
 from .events import OOM, SegmentState
 from .metrics import WindowMetrics
 from .recorded import infer_capacity, recorded_summary_columns
@@ -119,7 +120,9 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
     if requested == PYTHON:
         return PYTHON, "requested"
     why = None
-    if record_series:
+    if config.segment_placement.kind != ABOVE_LAST:
+        why = f"segment placement {config.segment_placement.spec()}: the Python model's (driver_va.py)"
+    elif record_series:
         why = "the per-event series is recorded by the Python model"
     elif record_events:
         why = "the replayed events are recorded by the Python model"

@@ -18,6 +18,8 @@ import ctypes
 import os
 import time
 
+from .driver_va import ABOVE_LAST, SegmentPlacement
+
 ENV_LIBRARY = "RLHFMEM_SIM_CUDA_LIBRARY"  # the built library's path, set by the launcher for every rank
 ENV_SDPA = "RLHFMEM_SIM_CUDA_SDPA"  # scaled_dot_product_attention's backend on the device (SDPA_BACKENDS)
 # SDPBackend's values (torch/nn/attention/__init__.py); a GPU picks by dtype, head size, mask and architecture
@@ -53,6 +55,8 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_events.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_events.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
     lib.rlhfmem_sim_cuda_workspaces.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_workspace_addresses.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_workspace_addresses.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.rlhfmem_sim_cuda_reduce_stagings.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_index_sorts.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_attention_backwards.restype = ctypes.c_int64
@@ -197,6 +201,14 @@ class SimCudaRows:
         recorder's mark index)``."""
         return [(at - self._start, k) for at, _t, k in self._marks[since:]]
 
+    def workspace_addresses(self) -> frozenset[int]:
+        """The device addresses of the cuBLAS workspaces made so far (each allocated once, never freed): the
+        trace names their ALLOCs :data:`~.events.CUBLAS_WORKSPACE`."""
+        n = self.lib.rlhfmem_sim_cuda_workspaces()
+        out = (ctypes.c_uint64 * max(n, 1))()
+        got = self.lib.rlhfmem_sim_cuda_workspace_addresses(ctypes.cast(out, ctypes.c_void_p), n)
+        return frozenset(out[:got])
+
     def flush_sync(self) -> None:
         """The flush policy's ``empty_cache()`` waits for every stream first (``release_cached_blocks`` begins with
         ``synchronize_and_free_events``), so held blocks return before it releases segments: a host wait in the
@@ -235,7 +247,9 @@ class SimCudaRows:
     def describe(self) -> dict:
         """The capture description: what the device adds and answers (results and budgets carry it)."""
         answers = {k: self.lib.rlhfmem_sim_cuda_scalar_answers(i) for i, k in enumerate(SCALAR_KINDS)}
-        return {"simulated_cuda_device": {
+        placement = SegmentPlacement.from_env()  # the default is not named: earlier budgets stay comparable
+        return {**({"segment_placement": placement.spec()} if placement.kind != ABOVE_LAST else {}),
+                "simulated_cuda_device": {
             "kernels": "meta (outputs' shapes, strides and dtypes; no values)",
             "scaled_dot_product_attention": self.sdpa,
             "record_stream": record_stream_mode(),

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from .allocator import (
-    DEFAULT_POOL, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer, kSmallSize,
+    DEFAULT_POOL, SEGMENT_PLACEMENT_KEY, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer,
+    kSmallSize,
 )
 from .columns import (
     ACTIONS, CODE, TraceColumns, columns_from_trace, drop_immediate_request_events, drop_immediate_requests,
@@ -596,7 +597,9 @@ def write_snapshot(path: str | Path, trace: Trace, segments: list[dict], *, devi
         "segments": segments,
         "device_traces": [entries] + [[] for _ in range(device_count - 1)],
         "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "expandable_segments": False,
-                               "rlhfmem_capture": trace.capture, "rlhfmem_note": note},
+                               "rlhfmem_capture": trace.capture, "rlhfmem_note": note,
+                               **{k: v for k, v in (trace.allocator_settings or {}).items()
+                                  if k == SEGMENT_PLACEMENT_KEY}},
         "external_annotations": annotations,
     }
     p = Path(path)

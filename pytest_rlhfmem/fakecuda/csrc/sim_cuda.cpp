@@ -509,6 +509,17 @@ int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
 // stream (-1: every stream: synchronize, empty_cache).
 void rlhfmem_sim_cuda_log(int64_t action, uint64_t addr, int64_t stream) { log_event(action, addr, 0, stream); }
 int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
+// The device addresses of the cuBLAS workspaces made so far (never freed, so each names one allocation), in
+// creation order: up to cap of them into out; returns how many were copied.
+int64_t rlhfmem_sim_cuda_workspace_addresses(uint64_t* out, int64_t cap) {
+  std::lock_guard<std::mutex> g(g_ws_mu);
+  int64_t n = 0;
+  for (const auto& p : g_workspace_holders) {
+    if (n >= cap) break;
+    out[n++] = reinterpret_cast<uint64_t>(p.get());
+  }
+  return n;
+}
 int64_t rlhfmem_sim_cuda_reduce_stagings() { return g_reduce_staging.load(); }
 int64_t rlhfmem_sim_cuda_index_sorts() { return g_index_sort.load(); }
 int64_t rlhfmem_sim_cuda_attention_backwards() { return g_attention_backwards.load(); }

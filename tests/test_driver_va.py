@@ -108,3 +108,51 @@ def test_capture_refuses_a_placement_without_the_simulated_device(capsys):
         in capsys.readouterr().err
     assert main(["capture", "--device", "cuda-sim", "--segment-placement", "lowest", "--", "python", "-c", "pass"]) == 2
     assert "--segment-placement 'lowest': allowed values are above-last, first-fit" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("placement", [SegmentPlacement(), SegmentPlacement("first-fit", 40 * MiB)])
+def test_a_new_segment_never_lands_on_one_the_trace_began_with(placement):
+    """A simulated snapshot's segments lie where the model maps new ones (from BASE up): a replay of it must map
+    its new segments elsewhere (before, the first new segment took the first imported one's address)."""
+    from pytest_rlhfmem.memory.events import SegmentState
+
+    first = SegmentState(BASE + 40 * MiB, 20 * MiB, 0, False, [(BASE + 40 * MiB, 20 * MiB, 20 * MiB)])
+    in_context = SegmentState(BASE, 20 * MiB, 0, False, [])  # made after the context gave its range back
+    trace = Trace(events=[Event(ALLOC, 1, 30 * MiB), Event(ALLOC, 2, 16 * MiB)], initial_segments=[first, in_context],
+                  capture="synthetic")
+    result = replay(trace, AllocatorConfig(segment_placement=placement), mode=FREE_RUNNING, record_series=False,
+                    record_events=True)
+    new = _segments(result)
+    taken = [(BASE + 40 * MiB, BASE + 60 * MiB), (BASE, BASE + 20 * MiB)]
+    assert len(new) == 1 and new[0][1] == 30 * MiB  # the 16 MiB request reuses the free imported segment
+    assert all(new[0][0] + new[0][1] <= lo or new[0][0] >= hi for lo, hi in taken)
+    assert result.final_reserved == 70 * MiB and len(result.model.segments) == 3
+
+
+def test_occupy_carves_a_free_range_and_refuses_a_mapped_one():
+    va = FirstFitAddressSpace()
+    a = va.map(20 * MiB)
+    va.map(20 * MiB)
+    va.unmap(a)
+    va.occupy(BASE + 4 * MiB, 8 * MiB)  # inside the hole: splits it
+    assert list(va.holes) == [(BASE, 4 * MiB), (BASE + 12 * MiB, 8 * MiB)]
+    va.occupy(BASE + 60 * MiB, 2 * MiB)  # above the top: the gap becomes a hole
+    assert va.top == BASE + 62 * MiB and (BASE + 40 * MiB, 20 * MiB) in va.holes
+    with pytest.raises(ValueError, match="overlaps an address range already mapped"):
+        va.occupy(BASE + 20 * MiB, 2 * MiB)
+    va.occupy(0x704400000, 20 * MiB)  # a real GPU address: outside this space
+    assert 0x704400000 not in va.mapped
+
+
+def test_the_compiled_core_also_maps_new_segments_above_the_ones_the_trace_began_with():
+    from pytest_rlhfmem.memory.events import SegmentState
+    from pytest_rlhfmem.memory.replay_engine import compiled_available
+
+    ok, why = compiled_available()
+    if not ok:
+        pytest.fail(f"the compiled replay core does not build here: {why}")
+    seg = SegmentState(BASE, 20 * MiB, 0, False, [(BASE, 20 * MiB, 20 * MiB)])
+    trace = Trace(events=[Event(ALLOC, 1, 30 * MiB)], initial_segments=[seg], capture="synthetic")
+    result = replay(trace, mode=FREE_RUNNING, record_series=False, engine="compiled")
+    assert result.engine == "compiled"
+    assert [a for a, _s in result.segment_allocs][0] >= BASE + 20 * MiB

@@ -1392,6 +1392,10 @@ class CachingAllocatorModel:
             cursor = b_addr + b_size
         if cursor < end:
             pieces.append((cursor, end - cursor, None))
+        # new segments must not land on it (a simulated snapshot's segments lie where the model puts new ones)
+        self._next_synthetic_address = max(self._next_synthetic_address, end + kRoundLarge)
+        if self.driver is not None:
+            self.driver.occupy(address, total_size)
         self.segment_sizes[address] = total_size
         st.reserved_bytes += total_size
         st.peak_reserved_bytes = max(st.peak_reserved_bytes, st.reserved_bytes)

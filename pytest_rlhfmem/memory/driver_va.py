@@ -148,6 +148,34 @@ class FirstFitAddressSpace:
         else:
             self.holes.add((address, size))
 
+    def occupy(self, address: int, size: int) -> None:
+        """A segment mapped before the replay began (a snapshot's) at ``address``: later mappings avoid its range,
+        and :meth:`unmap` gives it back. A range below :data:`BASE` (a real GPU address) is outside this space;
+        one inside the context's range means the context had given it back (:meth:`cublas_handle_created`).
+        Raises ``ValueError`` if the range overlaps one mapped here."""
+        size = -(-size // GRANULE) * GRANULE
+        end = address + size
+        if end <= BASE:
+            return
+        ctx = self.context_range
+        if ctx is not None and address < ctx[0] + ctx[1] and end > ctx[0]:
+            self.cublas_handle_created()
+        if address >= self.top:
+            if address > self.top:
+                self.holes.add((self.top, address - self.top))
+            self.top = end
+        else:
+            i = self.holes.bisect_right((address, float("inf"))) - 1
+            if i < 0 or self.holes[i][0] + self.holes[i][1] < min(end, self.top):
+                raise ValueError(f"segment 0x{address:x}+{size} overlaps an address range already mapped")
+            h_addr, h_size = self.holes.pop(i)
+            if h_addr < address:
+                self.holes.add((h_addr, address - h_addr))
+            if h_addr + h_size > end:
+                self.holes.add((end, h_addr + h_size - end))
+            self.top = max(self.top, end)
+        self.mapped[address] = size
+
     def cublas_handle_created(self) -> None:
         """The program's first cuBLAS handle: the context gives its range back (once; later calls do nothing)."""
         if self.context_range is not None:

@@ -1087,7 +1087,8 @@ struct Model {
     BlockPool& pool = *pool_p;
     st.reserved_bytes += total_size;
     if (st.reserved_bytes > st.peak_reserved_bytes) st.peak_reserved_bytes = st.reserved_bytes;
-    (void)address;
+    // new segments must not land on it (a simulated snapshot's segments lie where new ones are placed)
+    next_synthetic_address = std::max(next_synthetic_address, address + total_size + kRoundLarge);
     Block* prev = nullptr;
     std::vector<Block*> segment;
     for (i64 k = 0; k < n; ++k) {

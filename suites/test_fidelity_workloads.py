@@ -6,13 +6,14 @@ under the recorder with the CUDA emulation on, replays it through the allocator 
 recorded step's figures equal the GPU's: peak reserved, peak allocated and cudaMalloc count to the byte
 (the inference step: the very same sequence of allocation sizes), or differ by exactly the residual
 explained in docs/fidelity.md. Cost on this 2-core machine: about 4 min (inference) under load; training
-2 min 26 s alone (about 30 min when seven jobs shared the cores) and 16 GiB of host memory.
+2 min 26 s alone (about 30 min when seven jobs shared the cores) and 16 GiB of host memory, taken in a child
+process (``capture_in_child``) so that the main job's pytest process does not keep it for the rest of the session.
 """
 
 import pytest
 
 from pytest_rlhfmem.memory.address_order import address_order_spread
-from pytest_rlhfmem.fidelity.workloads import WORKLOADS, capture, captured_figures, compare, recorded_figures
+from pytest_rlhfmem.fidelity.workloads import WORKLOADS, capture_in_child, captured_figures, compare, recorded_figures
 from pytest_rlhfmem.memory.emulation import EmulationSettings
 from pytest_rlhfmem.shared_snapshots import missing_reason, snapshot_path
 
@@ -37,7 +38,7 @@ def test_cpu_capture_matches_gpu_recording(name):
         pytest.skip(reason)
     # The recordings were made with the default cuBLAS workspace of a pre-Hopper GPU.
     settings = EmulationSettings(compute_capability=None, cublas_workspace_config=None)
-    trace, _rec, _seconds = capture(WORKLOADS[name], settings)
+    trace = capture_in_child(name, settings)  # the run's host memory is the child's, returned when it ends
     cmp = compare(recorded_figures(path), captured_figures(trace))
     print(name, {k: v for k, v in cmp.items() if k != "allocations"}, cmp["allocations"])
     assert cmp["cuda_malloc_count"]["equal"], cmp["cuda_malloc_count"]

@@ -8,6 +8,7 @@ import torch
 from pytest_rlhfmem import budgets as B
 from pytest_rlhfmem.memory import emulation as E
 from pytest_rlhfmem.memory.capture import Recorder
+from pytest_rlhfmem.memory.events import CUBLAS_WORKSPACE
 from pytest_rlhfmem.memory.trace import ALLOC
 
 PRE_HOPPER = 8_519_680  # 4096 KiB x 2 + 16 KiB x 8 (CublasHandlePool.cpp default before Hopper)
@@ -94,6 +95,7 @@ def _capture(settings, fn):
         trace = rec.stop()
     if not rec.backend.startswith("rlhfmem CPU"):
         pytest.skip("the CPU allocation recorder cannot be built here (no C++ compiler)")
+    rec.trace = trace
     return [e.size for e in trace.events if e.action == ALLOC], rec
 
 
@@ -110,6 +112,8 @@ def test_recorder_emulates_a_training_step_of_a_linear_layer():
     assert 8 in off and PRE_HOPPER not in off  # the wrapped 0.5 is a CPU allocation here
     assert 8 not in on
     assert on.count(PRE_HOPPER) == 2  # forward (caller) thread and autograd's backward thread
+    # named, as the simulated CUDA device names its own: a first-fit replay releases the context's range there
+    assert [e.size for e in rec.trace.events if e.name == CUBLAS_WORKSPACE] == [PRE_HOPPER, PRE_HOPPER]
     assert rec.capture_description() == {"cuda_emulation": E.EmulationSettings(cublas_workspace_config=None).describe()}
 
 

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..memory.capture import PhaseRecord
+from ..memory.events import CUBLAS_WORKSPACE
 from ..memory.trace import ALLOC, CAPTURE_FAKE_CUDA_SIMULATED, FLUSH, FREE, PHASE, Event, Trace
 
 aten = torch.ops.aten
@@ -190,10 +191,10 @@ class FakeCudaRecorder:
     def _now(self) -> int:
         return time.perf_counter_ns() // 1000
 
-    def _alloc(self, size: int, stream: int) -> int:
+    def _alloc(self, size: int, stream: int, name: str = "") -> int:
         addr = self._next_addr
         self._next_addr += 1
-        self.events.append(Event(ALLOC, addr, size, stream, self._now()))
+        self.events.append(Event(ALLOC, addr, size, stream, self._now(), name))
         return addr
 
     def _free(self, cell: list) -> None:
@@ -255,7 +256,7 @@ class FakeCudaRecorder:
         if key in self._workspaces:
             return
         self._workspaces.add(key)
-        self._alloc(self.cublas_workspace, self.current_stream)
+        self._alloc(self.cublas_workspace, self.current_stream, CUBLAS_WORKSPACE)  # named, as the device's
         adj = self.adjustments.setdefault("cublas_workspace", {"bytes_each": self.cublas_workspace, "count": 0,
                                                                "phases": []})
         adj["count"] += 1

@@ -42,6 +42,14 @@ _MARK = "rlhfmem::mark::"
 ITEM_KIND = {0: 0, 1: 0, 2: 1, 3: 2}
 
 
+def _name_workspaces(events: list[Event], workspaces: set[int] | frozenset[int]) -> list[Event]:
+    """``events`` with the ALLOC of each cuBLAS workspace (its address in ``workspaces``; never freed, so one
+    ALLOC each) named :data:`~.events.CUBLAS_WORKSPACE`."""
+    if not workspaces:
+        return events
+    return [e._replace(name=CUBLAS_WORKSPACE) if e.action == ALLOC and e.addr in workspaces else e for e in events]
+
+
 def _storages(tensors: Iterable) -> list[tuple[int, int]]:
     """(data pointer, bytes) of each distinct storage behind ``tensors`` (views share one)."""
     seen: dict[int, int] = {}
@@ -349,15 +357,15 @@ class Recorder:
                  for i, (t, ptr, size, kind, _main) in enumerate(rows)]
         self.frees_on_other_threads = self._foreign_frees(rows)
         events = self.cpu_events(items)
-        if self.row_source is None:
+        if self.row_source is None:  # the emulation's cuBLAS workspaces are named, as the simulated device's
+            workspaces = set(self.emulation_report.workspace_ptrs) if cuda_emulation is not None else set()
+            events = _name_workspaces(events, workspaces)
             return Trace(events=events, capture=CAPTURE_CPU_SIMULATED, source=self.backend)
         streams = getattr(self.row_source, "streams", {})  # blocks of a side stream keep its pool
         if streams:
             events = [e._replace(stream=streams[e.addr])
                       if e.action in (ALLOC, FREE, FREE_REQUESTED) and e.addr in streams else e for e in events]
-        workspaces = self.row_source.workspace_addresses()
-        events = [e._replace(name=CUBLAS_WORKSPACE) if e.action == ALLOC and e.addr in workspaces else e
-                  for e in events]
+        events = _name_workspaces(events, self.row_source.workspace_addresses())
         placement = self.segment_placement  # a replay of this trace places segments as the capture did
         settings = {SEGMENT_PLACEMENT_KEY: placement.spec()} if placement.kind != ABOVE_LAST else None
         return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend,

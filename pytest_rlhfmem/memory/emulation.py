@@ -232,6 +232,7 @@ class EmulationReport:
     dropped: dict[str, list[int]] = field(default_factory=lambda: {a: [0, 0] for a in ADJUSTMENTS})
     added: dict[str, list[int]] = field(default_factory=lambda: {a: [0, 0] for a in ADJUSTMENTS})
     ops: int = 0
+    workspace_ptrs: list[int] = field(default_factory=list)  # the added cuBLAS workspaces' rows (their ptr)
 
     def to_dict(self) -> dict:
         return {"ops": self.ops,
@@ -306,6 +307,7 @@ def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, E
                 if "cublas-workspace" in on and frame.name in CUBLAS_OPS and frame.thread not in workspaces:
                     workspaces.add(frame.thread)
                     inserts.setdefault(i, []).append((t, next_ptr, ws_bytes, 0, 1))
+                    report.workspace_ptrs.append(next_ptr)
                     next_ptr -= 1
                     count("added", "cublas-workspace", ws_bytes)
                 if "cuda-kernel-temporaries" in on:

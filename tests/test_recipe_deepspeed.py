@@ -4,6 +4,7 @@ issue 3 checked on real runs. Figures are simulated by the allocator model."""
 import math
 
 import pytest
+import torch
 
 from pytest_rlhfmem.rlhf.launch import run_scenario
 from pytest_rlhfmem.rlhf.scenario import FLUSH_POLICIES, PHASES, Scenario
@@ -150,3 +151,25 @@ def test_the_study_pair_runs_what_its_deepspeed_chat_script_runs():
         "enabled": True, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
         "pin_parameters": True, "tp_gather_partition_size": 8}
     assert "hybrid_engine" not in get_train_ds_config(3, False, torch.float16, 4, 4, None)
+
+
+def test_on_cpu_a_hybrid_engine_injecting_its_kernels_is_refused_naming_the_layer_and_the_way_out():
+    """What ``tox -e latest`` met with transformers 5.24 (OPT's decoder forward renamed ``past_key_values``, so
+    DeepSpeed 0.19.8 injects its inference kernels): on CPU the injection now ends in one line of ours instead
+    of DeepSpeed's ``This op had not been implemented on CPU backend``. A unit test of the guard: the layer
+    given stands in for the one DeepSpeed would replace."""
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    from pytest_rlhfmem.rlhf.deepspeed_chat.builders import refuse_inference_kernels_on_cpu
+
+    class OPTDecoderLayer(torch.nn.Module):
+        pass
+
+    original = DeepSpeedHybridEngine.new_inference_container
+    with refuse_inference_kernels_on_cpu("cpu"):
+        with pytest.raises(NotImplementedError, match=r"replacing OPTDecoderLayer with its inference kernels .*"
+                                                      r"\(constraints/deepspeed.txt\) or run on a GPU"):
+            DeepSpeedHybridEngine.new_inference_container(None, OPTDecoderLayer(), None, 0)
+    assert DeepSpeedHybridEngine.new_inference_container is original  # restored after the engine is built
+    with refuse_inference_kernels_on_cpu("cuda"):
+        assert DeepSpeedHybridEngine.new_inference_container is original

@@ -8,6 +8,8 @@ the recorder) and allocates nothing else.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,13 +125,44 @@ def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train
     actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype, actor_dropout)
     if lora_dim > 0:
         actor = convert_to_lora(actor, pair, lora_dim, only_lora)
-    actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
-                                            config=train_cfg)
+    with refuse_inference_kernels_on_cpu(device):
+        actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
+                                                config=train_cfg)
     rec.host_resident(offloaded_tensors(actor_engine, offload))
     ref = create_hf_model(pair.actor, eval_cfg, scenario.get("actor_path"), dtype)
     ref_engine, *_ = deepspeed.initialize(model=ref, config=eval_cfg)
     rec.host_resident(offloaded_tensors(ref_engine, offload and stage == 3))
     return actor_engine, ref_engine
+
+
+HYBRID_ENGINE_KERNELS_ON_CPU = (
+    "DeepSpeed's Hybrid Engine is replacing {layer} with its inference kernels (DeepSpeed 0.19.8 does so for an "
+    "OPT decoder layer whose forward takes neither cache_position nor past_key_values, as transformers 5.24's "
+    "does), and DeepSpeed's CPU accelerator has none: install the pinned dependency set (constraints/deepspeed.txt) "
+    "or run on a GPU")
+
+
+@contextlib.contextmanager
+def refuse_inference_kernels_on_cpu(device: str) -> Iterator[None]:
+    """While DeepSpeed builds the actor's engine on CPU: the Hybrid Engine injecting a layer
+    (``DeepSpeedHybridEngine.new_inference_container``, ``runtime/hybrid_engine.py``) raises
+    ``NotImplementedError`` naming the layer and the way out, instead of DeepSpeed's ``This op had not been
+    implemented on CPU backend`` from deep inside the injection. On other devices nothing changes."""
+    if device != "cpu":
+        yield
+        return
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    original = DeepSpeedHybridEngine.new_inference_container
+
+    def refuse(self: Any, orig_layer: Any, policy_cls: Any, layer_id: int) -> Any:
+        raise NotImplementedError(HYBRID_ENGINE_KERNELS_ON_CPU.format(layer=type(orig_layer).__name__))
+
+    DeepSpeedHybridEngine.new_inference_container = refuse
+    try:
+        yield
+    finally:
+        DeepSpeedHybridEngine.new_inference_container = original
 
 
 EMA_BETA = 0.992  # dschat/utils/utils.py: moving_average(model, model_ema, beta=0.992, ...)

@@ -733,8 +733,10 @@ class CachingAllocatorModel:
         # cudaMalloc size, or None for a new expandable segment (its virtual base).
         self._next_synthetic_address = 1 << 56  # far above real CUDA virtual addresses
         self.address_for_new_segment: Callable[[int | None], int | None] | None = None
-        # the driver's address ranges under first-fit placement (None: each new segment above the last)
-        self.driver: FirstFitAddressSpace | None = self.config.segment_placement.address_space()
+        # the driver's address ranges under first-fit placement (None: each new segment above the last; always
+        # with expandable segments, whose address space is reserved once)
+        self.driver: FirstFitAddressSpace | None = (None if self.config.expandable_segments
+                                                    else self.config.segment_placement.address_space())
         # Set by an anchored replay when the recorded run's first cudaMalloc for this request failed.
         self.fail_next_cuda_malloc = False
 

@@ -91,6 +91,9 @@ def _capture(args: argparse.Namespace) -> int:
              "simulated: the script's CUDA allocations on the simulated CUDA device, replayed through the CUDA "
              "caching allocator model" if result["device"] == "cuda-sim" else
              "simulated: CPU allocation trace replayed through the CUDA caching allocator model")
+    placement = (result.get("capture_description") or {}).get("segment_placement")
+    if placement:  # not the default: the figures depend on it (docs/allocator-model.md)
+        label += f"; segments placed {placement}"
     print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
     if args.json_out:
         write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise

@@ -4,9 +4,10 @@ The caching allocator picks, among free blocks of the best-fitting size, the one
 (``BlockComparatorSize``: stream, size, address; ``c10/cuda/CUDACachingAllocator.cpp``). Which address a
 ``cudaMalloc`` returns is the driver's choice: real recordings show new segments placed both above and below
 earlier ones (``../shared/snapshots``: cs336_ctx256_fwd 203 of 470 successive cudaMallocs higher, 267 lower).
-The model gives every new segment a higher address than the previous one, so when a program leaves several
-equal-size candidates, a GPU run of the same allocation sequence can keep a different block, and end with a
-different set of cached segments.
+The model gives every new segment a higher address than the previous one (unless a first-fit placement is given:
+``driver_va.py``, which reproduces one GPU's layout), so when a program leaves several equal-size candidates, a
+GPU run of the same allocation sequence can keep a different block, and end with a different set of cached
+segments.
 
 :func:`address_order_spread` replays one trace under ``orders`` seeded random placements of the new segments
 (segments that existed before the trace keep their recorded addresses) and reports the peak reserved of each:

@@ -156,3 +156,11 @@ def test_the_compiled_core_also_maps_new_segments_above_the_ones_the_trace_began
     result = replay(trace, mode=FREE_RUNNING, record_series=False, engine="compiled")
     assert result.engine == "compiled"
     assert [a for a, _s in result.segment_allocs][0] >= BASE + 20 * MiB
+
+
+def test_capture_checks_the_placement_variable_before_any_rank_starts(capsys, monkeypatch):
+    from pytest_rlhfmem.cli import main
+
+    monkeypatch.setenv("RLHFMEM_SEGMENT_PLACEMENT", "bogus")
+    assert main(["capture", "--device", "cuda-sim", "--", "python", "-c", "pass"]) == 2
+    assert "$RLHFMEM_SEGMENT_PLACEMENT 'bogus': allowed values are above-last" in capsys.readouterr().err

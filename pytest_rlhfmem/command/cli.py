@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
@@ -66,6 +67,11 @@ def _capture(args: argparse.Namespace) -> int:
         raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, "
                        f"got --device {args.device}")
     env = {ENV_SDPA: args.sdpa} if args.sdpa else {}
+    if args.segment_placement is None and args.device == "cuda-sim" and os.environ.get(ENV_SEGMENT_PLACEMENT):
+        try:  # checked here, not in every rank after it started
+            SegmentPlacement.from_env()
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     if args.segment_placement is not None:
         if args.device != "cuda-sim":
             raise CliError("--segment-placement places the simulated CUDA device's segments: it needs --device "
@@ -87,7 +93,8 @@ def _capture(args: argparse.Namespace) -> int:
         result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)
     except CommandError as exc:
         raise CliError(str(exc)) from None
-    label = ("measured: CUDA caching allocator" if not result["simulated"] else
+    simulated = result["simulated"] or result["device"] in ("cpu", "cuda-sim")  # a failed run's too
+    label = ("measured: CUDA caching allocator" if not simulated else
              "simulated: the script's CUDA allocations on the simulated CUDA device, replayed through the CUDA "
              "caching allocator model" if result["device"] == "cuda-sim" else
              "simulated: CPU allocation trace replayed through the CUDA caching allocator model")

@@ -149,17 +149,13 @@ class RankCapture:
         from .memory.emulation import parse_switch
         from .memory.host import HostMemory
 
-        from .memory.driver_va import SegmentPlacement
-
-        row_source, placement = None, SegmentPlacement()
+        row_source = None
         if self.device == "cuda-sim" and self.capture:  # the simulated CUDA device's own log
             from .memory.sim_cuda import SimCudaRows
 
             row_source = SimCudaRows(parse_switch("on").workspace_bytes)
-            placement = SegmentPlacement.from_env()  # rlhfmem capture --segment-placement
         self.rec = Recorder(self.device if self.capture else "off", on_phase=self.progress, root=self.root,
-                            cuda_emulation=parse_switch(self.cuda_emulation), row_source=row_source,
-                            segment_placement=placement)
+                            cuda_emulation=parse_switch(self.cuda_emulation), row_source=row_source)
         self.rec.host = HostMemory(self.device, root=self.root)  # measured host figures per window (memory/host.py)
         self._t0 = time.perf_counter()
         self.rec.host.start()

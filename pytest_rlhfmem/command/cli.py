@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
@@ -67,19 +66,16 @@ def _capture(args: argparse.Namespace) -> int:
         raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, "
                        f"got --device {args.device}")
     env = {ENV_SDPA: args.sdpa} if args.sdpa else {}
-    if args.segment_placement is None and args.device == "cuda-sim" and os.environ.get(ENV_SEGMENT_PLACEMENT):
-        try:  # checked here, not in every rank after it started
-            SegmentPlacement.from_env()
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-    if args.segment_placement is not None:
-        if args.device != "cuda-sim":
-            raise CliError("--segment-placement places the simulated CUDA device's segments: it needs --device "
-                           f"cuda-sim, got --device {args.device}")
+    if args.segment_placement is not None and args.device != "cuda-sim":
+        raise CliError("--segment-placement places the simulated CUDA device's segments: it needs --device "
+                       f"cuda-sim, got --device {args.device}")
+    if args.device == "cuda-sim":  # the flag, else $RLHFMEM_SEGMENT_PLACEMENT: checked here, not in every rank
         try:
-            env[ENV_SEGMENT_PLACEMENT] = SegmentPlacement.parse(args.segment_placement, "--segment-placement").spec()
+            placement = (SegmentPlacement.from_env() if args.segment_placement is None
+                         else SegmentPlacement.parse(args.segment_placement, "--segment-placement"))
         except ValueError as exc:
             raise CliError(str(exc)) from None
+        env[ENV_SEGMENT_PLACEMENT] = placement.spec()
     try:
         ident = args.capture_id or default_id(cmd, plan_command(cmd, args.world_size, args.nproc_per_node)[1])
     except CommandError as exc:

@@ -35,11 +35,8 @@ class LiveAllocator:
     refuses ``until-sync``), and a FLUSH mark (the script's ``empty_cache()``) empties the model's cache."""
 
     def __init__(self, get_rec: Any) -> None:
-        from ..memory.allocator import AllocatorConfig, CachingAllocatorModel
-        from ..memory.driver_va import SegmentPlacement
-
         self.get_rec = get_rec
-        self.model = CachingAllocatorModel(AllocatorConfig(segment_placement=SegmentPlacement.from_env()))
+        self.model: Any = None  # made at the first query, placing segments as the device's log says
         self._blocks: dict[int, Any] = {}
         self._fed = 0  # log events read, counted from the recorder's start
         self._marks_fed = 0
@@ -49,6 +46,10 @@ class LiveAllocator:
 
         rec = self.get_rec()
         log = rec.row_source
+        if self.model is None:
+            from ..memory.allocator import AllocatorConfig, CachingAllocatorModel
+
+            self.model = CachingAllocatorModel(AllocatorConfig(segment_placement=log.segment_placement))
         events, marks = log.events(self._fed), log.marks(self._marks_fed)
         workspaces = log.workspace_addresses() if self.model.driver is not None else frozenset()
         pending = iter(marks)

@@ -341,7 +341,6 @@ def sim_device_recorder(on_phase: object = None):
     and ``torch`` imported."""
     from ..memory.capture import Recorder
     from ..memory.sim_cuda import SimCudaRows
-    from ..memory.driver_va import SegmentPlacement
 
     @dataclass
     class SimDeviceRecorder(Recorder):
@@ -363,5 +362,4 @@ def sim_device_recorder(on_phase: object = None):
         def moved_to_device(self, tensors: Iterable) -> None:
             pass  # ... and the allocation of a move back
 
-    return SimDeviceRecorder("cuda-sim", on_phase=on_phase, row_source=SimCudaRows(cublas_workspace_bytes()),
-                             segment_placement=SegmentPlacement.from_env())
+    return SimDeviceRecorder("cuda-sim", on_phase=on_phase, row_source=SimCudaRows(cublas_workspace_bytes()))

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from . import emulation
 from .allocator import SEGMENT_PLACEMENT_KEY
-from .driver_va import ABOVE_LAST, SegmentPlacement
+from .driver_va import ABOVE_LAST
 from .events import CUBLAS_WORKSPACE
 from .host import HostMemory
 from .trace import (
@@ -105,8 +105,6 @@ class Recorder:
     host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
     # "cuda-sim": the simulated CUDA device's log (memory/sim_cuda.py: SimCudaRows), read as recorder rows
     row_source: object = None
-    # "cuda-sim": where the driver maps segments in this capture's replays (driver_va.py), kept in its trace
-    segment_placement: SegmentPlacement = field(default_factory=SegmentPlacement)
     flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -366,7 +364,7 @@ class Recorder:
             events = [e._replace(stream=streams[e.addr])
                       if e.action in (ALLOC, FREE, FREE_REQUESTED) and e.addr in streams else e for e in events]
         events = _name_workspaces(events, self.row_source.workspace_addresses())
-        placement = self.segment_placement  # a replay of this trace places segments as the capture did
+        placement = self.row_source.segment_placement  # a replay of this trace places segments as the capture did
         settings = {SEGMENT_PLACEMENT_KEY: placement.spec()} if placement.kind != ABOVE_LAST else None
         return Trace(events=events, capture=CAPTURE_SIM_CUDA_SIMULATED, source=self.backend,
                      allocator_settings=settings)

@@ -169,6 +169,9 @@ class SimCudaRows:
         if workspace_bytes is not None:
             self.lib.rlhfmem_sim_cuda_set_workspace_bytes(int(workspace_bytes))
         self.sdpa = sdpa_backend(sdpa)
+        # where the replays of this log place segments (``rlhfmem capture --segment-placement``): its trace, the live
+        # torch.cuda answers and the capture description all read it here
+        self.segment_placement = SegmentPlacement.from_env()
         self.lib.rlhfmem_sim_cuda_set_sdp_backend(SDPA_BACKENDS[self.sdpa])
         self._start = 0
         self._marks: list[tuple[int, int, int]] = []  # (event index, time_ns, mark index)
@@ -247,7 +250,7 @@ class SimCudaRows:
     def describe(self) -> dict:
         """The capture description: what the device adds and answers (results and budgets carry it)."""
         answers = {k: self.lib.rlhfmem_sim_cuda_scalar_answers(i) for i, k in enumerate(SCALAR_KINDS)}
-        placement = SegmentPlacement.from_env()  # the default is not named: earlier budgets stay comparable
+        placement = self.segment_placement  # the default is not named: earlier budgets stay comparable
         return {**({"segment_placement": placement.spec()} if placement.kind != ABOVE_LAST else {}),
                 "simulated_cuda_device": {
             "kernels": "meta (outputs' shapes, strides and dtypes; no values)",

@@ -597,11 +597,12 @@ def write_snapshot(path: str | Path, trace: Trace, segments: list[dict], *, devi
         "segments": segments,
         "device_traces": [entries] + [[] for _ in range(device_count - 1)],
         "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "expandable_segments": False,
-                               "rlhfmem_capture": trace.capture, "rlhfmem_note": note,
-                               **{k: v for k, v in (trace.allocator_settings or {}).items()
-                                  if k == SEGMENT_PLACEMENT_KEY}},
+                               "rlhfmem_capture": trace.capture, "rlhfmem_note": note},
         "external_annotations": annotations,
     }
+    placement = (trace.allocator_settings or {}).get(SEGMENT_PLACEMENT_KEY)
+    if placement:  # a replay of the snapshot places new segments as the capture did
+        snap["allocator_settings"][SEGMENT_PLACEMENT_KEY] = placement
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + ".tmp")

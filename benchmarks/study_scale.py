@@ -38,6 +38,10 @@ STUDY = {
     "all": (11.8, 6.2, 5.4, 5.9, 0.1),
 }
 GIB = 2**30
+# What run_1.3b.sh ran on the study's DeepSpeed beyond the pair's defaults (configs.STUDY_SCRIPT_SETTINGS): the
+# Hybrid Engine's inference kernels injected into OPT, which DeepSpeed 0.19.8 no longer does for transformers 5 and
+# the fake-CUDA route runs as stand-ins (fakecuda/inference_kernels.py). The default of --overrides.
+SCRIPTS_OVERRIDES = {"hybrid_engine_kernels": True}
 
 
 def study_scenario(strategy: str, flush: str, models: str = "opt-1.3b", overrides: dict | None = None) -> Scenario:
@@ -201,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="study_scale.py")
     ap.add_argument("--strategies", default=",".join(STUDY))
     ap.add_argument("--models", default="opt-1.3b")
-    ap.add_argument("--overrides", default="{}", help="scenario overrides JSON (e.g. a smaller answer_len)")
+    ap.add_argument("--overrides", default=json.dumps(SCRIPTS_OVERRIDES),
+                    help="scenario overrides JSON (default: the study's scripts, %(default)s; '{}' runs DeepSpeed "
+                         "0.19.8's own Hybrid Engine, which injects no kernel into transformers 5's OPT)")
     ap.add_argument("--out", default="study-scale-results")
     ap.add_argument("--jobs", type=int, default=1, help="strategies run at once (each uses one core)")
     ap.add_argument("--tensors", choices=("sim", "fake"), default="sim",

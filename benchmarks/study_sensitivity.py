@@ -22,15 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study_scale  # noqa: E402
 
 # slug -> (what the row changes against DeepSpeed-Chat's run_1.3b.sh, scenario overrides, study_scale.py flags)
+SCRIPTS = study_scale.SCRIPTS_OVERRIDES
 ROWS: dict[str, tuple[str, dict, list[str]]] = {
-    "scripts": ("as `run_1.3b.sh` runs: Hybrid Engine, EMA, batch 4, actor dropout 0; math attention; "
-                "record_stream immediate", {}, []),
+    "scripts": ("as `run_1.3b.sh` ran on the study's DeepSpeed: Hybrid Engine with its inference kernels, EMA, "
+                "batch 4, actor dropout 0; math attention; record_stream immediate", SCRIPTS, []),
+    "he-native": ("Hybrid Engine without its kernels (DeepSpeed 0.19.8 with transformers 5: Hugging Face's "
+                  "generate, no whole-model gather, no LoRA fusion)", {}, []),
     "he-off": ("Hybrid Engine off", {"hybrid_engine": False}, []),
-    "ema-off": ("EMA off", {"ema": False}, []),
-    "batch-2": ("generation and training batch 2 (the study's text)", {"batch_size": 2}, []),
-    "efficient": ("memory-efficient attention (output + logsumexp, no score matrix)", {}, ["--sdpa", "efficient"]),
+    "ema-off": ("EMA off", {**SCRIPTS, "ema": False}, []),
+    "batch-2": ("generation and training batch 2 (the study's text)", {**SCRIPTS, "batch_size": 2}, []),
+    "efficient": ("memory-efficient attention (output + logsumexp, no score matrix)", SCRIPTS, ["--sdpa", "efficient"]),
     "record-stream": ("record_stream's delayed reuse: each block used on another stream held until the host next "
-                      "waits for it (upper bound)", {}, ["--record-stream", "until-sync"]),
+                      "waits for it (upper bound)", SCRIPTS, ["--record-stream", "until-sync"]),
 }
 STRATEGIES = list(study_scale.STUDY)
 

@@ -37,8 +37,13 @@ PINNED = {
 _cache: dict[str, dict] = {}
 
 
+# run_1.3b.sh on the study's DeepSpeed: the Hybrid Engine injected its inference kernels into OPT, which DeepSpeed
+# 0.19.8 does not do for transformers 5; the fake-CUDA route runs them as stand-ins (fakecuda/inference_kernels.py)
+SCRIPTS = {"hybrid_engine_kernels": True}
+
+
 def _scenario(strategy: str, flush: str) -> Scenario:
-    return Scenario("deepspeed-chat", "opt-1.3b", strategy, flush, 4)
+    return Scenario("deepspeed-chat", "opt-1.3b", strategy, flush, 4, SCRIPTS)
 
 
 def _result(strategy: str, flush: str, tmp_dir: Path) -> dict:
@@ -72,6 +77,9 @@ def test_study_scale_iteration_runs(strategy, flush, work_dir, record_property):
     recipe = r["recipe"]  # what run_1.3b.sh passes
     assert (recipe["hybrid_engine"], recipe["ema"], recipe["actor_dropout"]) == ("DeepSpeedHybridEngine", True, 0.0)
     assert r["adjustments"]["cublas_workspace"]["count"] >= 2
+    # every one of the actor's 24 layers ran the injected kernels in each of the generation's 256 forwards
+    assert r["inference_kernel_calls"]["softmax_context"] == 24 * 256
+    assert r["outside_caching_allocator"][0]["bytes"] == 4 * 132 * 2**20  # GenWorkSpace: 132 MiB per sequence
     # the recipe's offload annotations name host tensors: none of them may be a device tensor
     assert r["placement"]["annotated_host_bytes_on_cuda"] == 0
     reserved, frag, allocated, phase = PINNED[strategy][flush]

@@ -143,15 +143,83 @@ def test_simulated_device_models_the_memory_efficient_attention_kernel(tmp_path)
 def test_the_hybrid_engine_runs_as_deepspeeds_own_on_the_fake_route(tmp_path):
     """The Hybrid Engine on the simulated CUDA device: DeepSpeed's ``DeepSpeedHybridEngine`` with the
     ``transformer_inference`` op standing in without kernels (``standins._install_hybrid_engine``); it injects
-    nothing into OPT, and under ZeRO-3 its ``eval()`` flushes before generation (``hybrid_engine.py``)."""
-    sc = {he: Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 4, {"hybrid_engine": he}) for he in (True, False)}
-    res = {he: run_fake_cuda(s, work_dir=tmp_path / str(he), timeout=900, tensors="sim")[s.id] for he, s in sc.items()}
+    nothing into OPT, and under ZeRO-3 its ``eval()`` flushes before generation (``hybrid_engine.py``). With
+    ``hybrid_engine_kernels`` it injects its inference layers as the study's DeepSpeed did
+    (``fakecuda/inference_kernels.py``): every decoder layer of every forward of the generation runs DeepSpeed's
+    Python with the kernels' stand-ins, no kernel falls back to torch, LoRA is fused and unfused around the
+    generation, and the whole model is gathered for it."""
+    settings = {"off": {"hybrid_engine": False}, "native": {"hybrid_engine": True},
+                "kernels": {"hybrid_engine": True, "hybrid_engine_kernels": True}}
+    sc = {k: Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 4, o) for k, o in settings.items()}
+    res = {k: run_fake_cuda(s, work_dir=tmp_path / k, timeout=900, tensors="sim")[s.id] for k, s in sc.items()}
     assert all(r["status"] == "ok" for r in res.values()), [r.get("error") for r in res.values()]
-    assert res[True]["recipe"]["hybrid_engine"] == "DeepSpeedHybridEngine"
-    assert any(s.startswith("Hybrid Engine:") for s in res[True]["standins"])
-    he = [f for f in res[True]["flushes"] if f["name"].startswith("empty_cache@hybrid_engine.py:")]
+    assert res["native"]["recipe"]["hybrid_engine"] == "DeepSpeedHybridEngine"
+    assert any(s.startswith("Hybrid Engine:") for s in res["native"]["standins"])
+    he = [f for f in res["native"]["flushes"] if f["name"].startswith("empty_cache@hybrid_engine.py:")]
     assert len(he) == 1 and he[0]["phase"] == "init"
-    assert len(res[True]["flushes"]) == len(res[False]["flushes"]) + 1
+    assert len(res["native"]["flushes"]) == len(res["off"]["flushes"]) + 1
+    assert res["native"]["inference_kernel_calls"] == {} and res["native"]["outside_caching_allocator"] == []
+
+    kernels = res["kernels"]
+    assert any(s.startswith("Hybrid Engine with its inference kernels") for s in kernels["standins"])
+    layers, forwards = 4, 16  # tiny-opt's actor; one forward per generated token (answer_len 16)
+    calls = kernels["inference_kernel_calls"]
+    assert {k: calls[k] for k in ("qkv_gemm", "softmax_context", "vector_matmul", "mlp_gemm", "residual_add_bias")} \
+        == dict.fromkeys(("qkv_gemm", "softmax_context", "vector_matmul", "mlp_gemm", "residual_add_bias"),
+                         layers * forwards)
+    assert calls["allocate_workspace"] == 1 and "layer_norm" not in calls  # pre-LN OPT: no empty_like
+    assert calls["fuse_lora (peft merge)"] == calls["unfuse_lora (peft unmerge)"] == layers * 6  # q k v out fc1 fc2
+    # GenWorkSpace for batch 2, 4 layers, hidden 256, 4 heads, 32 tokens: (5120 + 256 + 4096) * 32 * 2 bytes
+    assert kernels["outside_caching_allocator"][0]["bytes"] == 606_208
+    gen = {k: next(p for p in r["phases"] if p["phase"] == "generate") for k, r in res.items()}
+    # the layers' activations and KV cache live in the workspace: a fraction of the native generation's events
+    assert gen["kernels"]["events"] * 3 < gen["native"]["events"]
+    # ZeRO-3: generate() gathers every layer for the whole generation
+    assert gen["kernels"]["peak_allocated"] > gen["native"]["peak_allocated"]
+
+
+def test_injected_kernels_follow_deepspeeds_workspace_and_token_bookkeeping():
+    """``InferenceKernels`` (unit): the workspace size of ``inference_context.h: GenWorkSpace`` for OPT-1.3b
+    (132 MiB per sequence at 512 tokens), keys and values as views of its KV cache that grow by one token per
+    decode step (``advance_tokens`` after the last layer), a kernel with no stand-in missing as a symbol is."""
+    import torch
+
+    from pytest_rlhfmem.fakecuda.inference_kernels import InferenceKernels
+
+    k = InferenceKernels()
+    k.allocate_workspace_fp16(2048, 32, 256, 4, 24, 1, False, 0, 512, 512)
+    assert k.raw_allocations[0]["bytes"] == 4 * 132 * 2**20
+    qkv = torch.empty(4, 256, 3 * 2048, dtype=torch.float16, device="meta")
+    for layer in range(24):
+        ctx, keys, values = k.softmax_context_fp16(qkv, None, 0, False, False, 32, 32, 1.0, True, False, 1, True,
+                                                   layer, 24, None, 1e4, True, None, None)
+    assert ctx.shape == (4, 256, 2048) and keys.shape == values.shape == (4, 32, 256, 64)
+    step = torch.empty(4, 1, 3 * 2048, dtype=torch.float16, device="meta")
+    for _ in range(2):
+        for layer in range(24):
+            _, keys, _ = k.softmax_context_fp16(step, None, 0, False, False, 32, 32, 1.0, True, False, 1, True,
+                                                layer, 24, None, 1e4, False, None, None)
+    assert keys.shape == (4, 32, 258, 64) and k.calls["softmax_context"] == 72
+    with pytest.raises(AttributeError, match="no stand-in for bias_gelu_fp16"):
+        k.bias_gelu_fp16  # noqa: B018 - the op_binding wrapper then takes its torch fallback
+
+
+def test_injected_kernels_are_refused_where_they_cannot_run(tmp_path):
+    """``hybrid_engine_kernels``: needs the Hybrid Engine, the simulated device's tensors, and the fake-CUDA
+    route: each refusal is one line naming why."""
+    from pytest_rlhfmem.rlhf.launch import run_scenario
+    from pytest_rlhfmem.rlhf.scenario import ScenarioError
+
+    with pytest.raises(ScenarioError, match="needs hybrid_engine True"):
+        Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 4, {"hybrid_engine": False,
+                                                                    "hybrid_engine_kernels": True})
+    sc = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2, {"hybrid_engine": True,
+                                                                     "hybrid_engine_kernels": True})
+    with pytest.raises(ValueError, match="it needs tensors='sim'"):
+        run_fake_cuda(sc, work_dir=tmp_path, tensors="fake")
+    with pytest.raises(ScenarioError, match="fake-CUDA route only .* no injected layer to run on cpu"):
+        run_scenario(sc, device="cpu", work_dir=tmp_path)
+    assert sc.id.endswith("hybrid_engine=True,hybrid_engine_kernels=True")
 
 
 def test_record_stream_holds_a_freed_block_until_the_host_waits_for_its_stream():

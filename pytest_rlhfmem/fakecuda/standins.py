@@ -488,5 +488,6 @@ def _install_hybrid_engine() -> str:
                 f"{type(self.module).__name__} with DeepSpeed inference kernels, which have no stand-ins on the "
                 "fake-CUDA route (their workspace is a raw cudaMalloc); run it on a GPU")
 
+    create_inference_module.__wrapped__ = original  # inference_kernels.install builds on DeepSpeed's own
     DeepSpeedHybridEngine.create_inference_module = create_inference_module
     return "Hybrid Engine: transformer_inference op with no kernels (refused if any layer is injected)"

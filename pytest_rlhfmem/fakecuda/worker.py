@@ -127,6 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import transformers  # noqa: F401 - imported outside the fake mode
 
+    kernels = None
+    if scenario.get("hybrid_engine_kernels"):  # run.py refuses it unless sim
+        from . import inference_kernels
+
+        kernels, kernel_names = inference_kernels.install()
+        names += kernel_names
+
     from ..rlhf.deepspeed_chat import run_iteration
 
     deepspeed.init_distributed()
@@ -156,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         # the simulated device's log has no Python call sites
         "live_by_site_at_phase_end": None if sim else rec.live_by_site(),
         "standins": names,
+        # device memory a GPU run takes outside the caching allocator (raw cudaMalloc): not in the trace
+        "outside_caching_allocator": kernels.raw_allocations if kernels else [],
+        "inference_kernel_calls": kernels.calls if kernels else {},
         "startup_s": round(startup_s, 3),
         "iteration_cpu_s": round(cpu, 3),  # CPU time of the iteration (wall_s counts waiting for a shared core)
         "replay_s": round(time.perf_counter() - t0 - wall, 3),
@@ -163,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         "process_cpu_s": _cpu_seconds(),  # the worker's CPU time to here: startup, iteration, replay
     })
     extra = {k: result[k] for k in ("route", "tensors", "simulated", "adjustments", "scalar_answers", "placement",
-                                    "standins", "live_by_site_at_phase_end", "startup_s", "iteration_cpu_s",
+                                    "standins", "outside_caching_allocator", "inference_kernel_calls",
+                                    "live_by_site_at_phase_end", "startup_s", "iteration_cpu_s",
                                     "process_cpu_s", "host_rss_peak")}
     _write(Path(args.out), result)
     if os.environ.get(ENV_SAVE_TRACE):  # the trace beside the result, for replays of it (rlhfmem replay)

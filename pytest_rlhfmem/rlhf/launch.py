@@ -112,6 +112,11 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
                             f"and Gemini plugins assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")
+    if scenario.get("hybrid_engine_kernels"):
+        raise ScenarioError("override hybrid_engine_kernels runs on the fake-CUDA route only (pytest_rlhfmem.fakecuda, "
+                            "tensors='sim'): DeepSpeed 0.19.8 keeps transformers 5's OPT on the native path "
+                            "(hybrid_engine.py: populate_all_inference_policies), so there is no injected layer to "
+                            f"run on {device}")
     if scenario.framework == "deepspeed-chat" and STRATEGY_SETTINGS.get(scenario.strategy, (0, False))[1] == "nvme":
         require_libaio()
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-"))

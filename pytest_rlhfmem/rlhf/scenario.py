@@ -40,10 +40,13 @@ OVERRIDES: dict[str, type] = {
     "ema": bool,  # DeepSpeed-Chat's --enable_ema: the actor's moving-average copy, updated after training
     "hybrid_engine": bool,  # DeepSpeed-Chat's --enable_hybrid_engine: the actor is DeepSpeed's DeepSpeedHybridEngine
     "actor_dropout": float,  # DeepSpeed-Chat's --actor_dropout (configure_dropout on the actor's config)
+    # the Hybrid Engine injects DeepSpeed's inference kernels into OPT, as the study's DeepSpeed did (0.19.8 keeps
+    # transformers 5's OPT native); fake-CUDA route only (fakecuda/inference_kernels.py)
+    "hybrid_engine_kernels": bool,
 }
 NULLABLE = ("actor_dropout",)  # None: not set (actor_dropout None keeps the model config's dropout)
 # overrides that are a DeepSpeed-Chat training-script flag
-DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout")
+DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels")
 
 
 class ScenarioError(ValueError):
@@ -94,6 +97,9 @@ class Scenario:
             if k in self.overrides and (self.framework != "deepspeed-chat" or self.algorithm != "ppo"):
                 raise ScenarioError(f"override {k} is a flag of DeepSpeed-Chat's PPO script: framework must be "
                                     f"deepspeed-chat and algorithm ppo, got {self.framework!r} / {self.algorithm!r}")
+        if self.overrides.get("hybrid_engine_kernels") and self.overrides.get("hybrid_engine") is False:
+            raise ScenarioError("override hybrid_engine_kernels=True injects the Hybrid Engine's kernels: it needs "
+                                "hybrid_engine True (or unset where the pair's script enables it), got False")
         if "group_size" in self.overrides:
             if self.algorithm != "grpo":
                 raise ScenarioError(f"override group_size applies to algorithm grpo only, not {self.algorithm!r}")
@@ -107,7 +113,7 @@ class Scenario:
         base = f"{self.framework}/{self.models}/{self.strategy}{alg}/flush-{self.flush}/x{self.world_size}"
         shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
                  if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype",
-                          "group_size", "ema", "hybrid_engine", "actor_dropout")]
+                          "group_size", "ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels")]
         return base + ("/" + ",".join(shape) if shape else "")
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -161,7 +161,8 @@ def hybrid_engine_block(max_out_tokens: int) -> dict:
 STUDY_SCRIPT_SETTINGS: dict[str, dict[str, Any]] = {
     "opt-1.3b": {"batch_size": 4, "hybrid_engine": True, "ema": True, "actor_dropout": 0.0},
 }
-RECIPE_DEFAULTS: dict[str, Any] = {"batch_size": 2, "hybrid_engine": False, "ema": False, "actor_dropout": None}
+RECIPE_DEFAULTS: dict[str, Any] = {"batch_size": 2, "hybrid_engine": False, "ema": False, "actor_dropout": None,
+                                   "hybrid_engine_kernels": False}
 
 
 def ppo_setting(scenario: Scenario, key: str) -> Any:

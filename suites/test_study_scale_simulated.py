@@ -1,12 +1,13 @@
-"""The study's DeepSpeed-Chat scale without a GPU (opt-in: ``tox -e study-sim``; about 10 minutes on 2 cores).
+"""The study's DeepSpeed-Chat scale without a GPU (opt-in: ``tox -e study-sim``; about 2 minutes on 2 cores).
 
 OPT-1.3b actor/reference + OPT-350m critic/reward, LoRA 128, prompt 256 + answer 256, fp16, 4 ranks (rank 0
-on a fake process group), run as DeepSpeed-Chat's ``run_1.3b.sh`` runs it (the pair's defaults: batch 4, the
-Hybrid Engine, EMA, actor dropout 0; ``rlhf/deepspeed_chat/configs.py``), on the fake-CUDA route
-(``pytest_rlhfmem/fakecuda``) with the simulated CUDA device's tensors (``tensors="sim"``): every figure is
+on a fake process group), run as DeepSpeed-Chat's ``run_1.3b.sh`` ran on the study's DeepSpeed (the pair's defaults:
+batch 4, the Hybrid Engine, EMA, actor dropout 0, ``rlhf/deepspeed_chat/configs.py``; and the Hybrid Engine's
+inference kernels injected into OPT, ``hybrid_engine_kernels``, ``fakecuda/inference_kernels.py``), on the fake-CUDA
+route (``pytest_rlhfmem/fakecuda``) with the simulated CUDA device's tensors (``tensors="sim"``): every figure is
 simulated (the device's allocation log replayed through the allocator model). Each strategy runs once with
-the after-inference flush marks; its flush-none cell replays the same trace without them. Measured (the run at
-``431dfa5``): 90-91 s of CPU for none and ZeRO-2, 220 s ZeRO-3, 235 s ZeRO-3 + offload, 189 s all.
+the after-inference flush marks; its flush-none cell replays the same trace without them. Measured (the run of
+``docs/study-runs/2026-11-25/scripts``): 19-24 s of CPU per strategy (process), 2-3 s of it generation.
 
 ``RLHFMEM_STUDY_SIM_RESULTS=DIR`` reuses the result JSONs that ``benchmarks/study_scale.py --out DIR``
 wrote instead of running again.
@@ -27,12 +28,11 @@ STRATEGIES = ("none", "zero2", "zero3", "zero3-offload", "all")
 # fragmentation at peak, peak allocated, peak phase); the flush runs' allocated figure is not tabulated (None).
 GiB = 2**30
 PINNED = {
-    "none": {"none": (23.1, 6.5, 21.9, "train_actor"), "after-inference": (25.8, 7.5, None, "train_critic")},
-    "zero2": {"none": (21.0, 8.6, 17.9, "train_critic"), "after-inference": (21.3, 8.8, None, "train_critic")},
-    "zero3": {"none": (18.7, 12.5, 14.2, "train_critic"), "after-inference": (18.6, 12.3, None, "train_critic")},
-    "zero3-offload": {"none": (14.7, 12.0, 11.2, "train_critic"),
-                      "after-inference": (14.4, 11.8, None, "train_critic")},
-    "all": {"none": (6.7, 4.1, 3.2, "train_critic"), "after-inference": (5.9, 3.3, None, "train_critic")},
+    "none": {"none": (23.0, 6.5, 21.9, "train_actor"), "after-inference": (25.6, 7.3, None, "train_critic")},
+    "zero2": {"none": (20.6, 8.1, 17.7, "train_critic"), "after-inference": (20.6, 8.1, None, "train_critic")},
+    "zero3": {"none": (18.5, 12.3, 14.3, "train_critic"), "after-inference": (18.0, 11.7, None, "train_critic")},
+    "zero3-offload": {"none": (14.4, 11.7, 11.2, "train_critic"), "after-inference": (13.9, 11.4, None, "ema")},
+    "all": {"none": (8.2, 5.7, 5.2, "ema"), "after-inference": (5.6, 1.2, None, "generate")},
 }
 _cache: dict[str, dict] = {}
 

@@ -189,6 +189,9 @@ def test_injected_kernels_follow_deepspeeds_workspace_and_token_bookkeeping():
     k = InferenceKernels()
     k.allocate_workspace_fp16(2048, 32, 256, 4, 24, 1, False, 0, 512, 512)
     assert k.raw_allocations[0]["bytes"] == 4 * 132 * 2**20
+    fp32 = InferenceKernels()
+    fp32.allocate_workspace_fp32(2048, 32, 256, 4, 24, 1, False, 0, 512, 512)  # sizeof(float): twice the bytes
+    assert fp32.raw_allocations[0]["bytes"] == 4 * 264 * 2**20 and fp32.kv_cache.dtype == torch.float32
     qkv = torch.empty(4, 256, 3 * 2048, dtype=torch.float16, device="meta")
     for layer in range(24):
         ctx, keys, values = k.softmax_context_fp16(qkv, None, 0, False, False, 32, 32, 1.0, True, False, 1, True,

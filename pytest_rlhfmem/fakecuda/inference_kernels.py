@@ -57,13 +57,17 @@ class InferenceKernels:
         self.kv_cache: torch.Tensor | None = None  # [layers, 2, batch, heads, max_out_tokens, head_dim], meta
         self.tokens = 0
 
+    DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # the kernels' name suffixes
+
     def __getattr__(self, name: str) -> Any:
-        base = name.rsplit("_", 1)[0] if name.endswith(("_fp16", "_bf16", "_fp32")) else name
+        base, _, suffix = name.rpartition("_") if name.endswith(tuple(self.DTYPES)) else (name, "", "fp16")
         if base in self.KERNELS:
             kernel = getattr(self, f"_{base}")
 
             def counted(*args: Any) -> Any:
                 self.calls[base] = self.calls.get(base, 0) + 1
+                if base == "allocate_workspace":  # sizeof(T) of the template instance
+                    return kernel(*args, dtype=self.DTYPES[suffix])
                 return kernel(*args)
 
             return counted
@@ -74,8 +78,8 @@ class InferenceKernels:
     # ---- workspace (inference_context.h: GenWorkSpace, release_workspace, retake_workspace) ----------------------
     def _allocate_workspace(self, hidden: int, heads: int, prompt_len: int, batch: int, num_layers: int,
                             mp_size: int, external_cache: bool, rank: int, max_out_tokens: int,
-                            min_out_tokens: int) -> None:
-        """``GenWorkSpace``: ``(act + temp + cache) * max_out_tokens`` elements of 2 bytes (fp16/bf16) in one
+                            min_out_tokens: int, dtype: torch.dtype) -> None:
+        """``GenWorkSpace``: ``(act + temp + cache) * max_out_tokens`` elements of ``dtype`` in one
         raw ``cudaMalloc``, with ``act = 10 * heads * d_eff * batch``, ``temp = batch * heads / mp *
         max_out_tokens`` (the unfused attention scores), ``cache = layers * batch * heads * d_eff / mp * 2``
         (keys and values); ``d_eff`` is the head size rounded up to 32, 64 or 128. The count of free memory that
@@ -85,14 +89,14 @@ class InferenceKernels:
         act = 10 * heads * d_eff * batch
         temp = batch * (heads // mp_size) * max_out_tokens
         cache = 0 if external_cache else num_layers * batch * (heads * d_eff // mp_size) * 2
-        nbytes = (act + temp + cache) * max_out_tokens * 2
+        nbytes = (act + temp + cache) * max_out_tokens * dtype.itemsize
         if self.raw_allocations and self.raw_allocations[-1]["bytes"] >= nbytes:
             return  # a smaller request keeps the buffer
         self.raw_allocations.append({"name": "InferenceContext workspace (cudaMalloc)", "bytes": nbytes,
                                      "shape": {"batch": batch, "layers": num_layers, "max_out_tokens": max_out_tokens,
                                                "hidden": hidden, "heads": heads}})
         self.kv_cache = torch.empty((num_layers, 2, batch, heads // mp_size, max_out_tokens, head), device="meta",
-                                    dtype=torch.float16)
+                                    dtype=dtype)
 
     def _release_workspace(self) -> None:
         self.raw_allocations.append({"name": "InferenceContext workspace (cudaFree)",

@@ -34,7 +34,10 @@ def _replay(args: argparse.Namespace) -> int:
             trace, recorded_config, reader = snapshot_columns_for_replay(args.snapshot, args.device, version)
             if "unavailable" in reader:
                 print(f"rlhfmem: note: {reader[len('python ('):-1]}; the pickle was read in Python", file=sys.stderr)
-        config = config or recorded_config
+        if config is None:
+            config = recorded_config
+        elif args.segment_placement is None:  # the driver's placement is not an allocator setting: keep the trace's
+            config = config.with_options(segment_placement=recorded_config.segment_placement)
         if args.segment_placement is not None:
             try:
                 config = config.with_options(segment_placement=SegmentPlacement.parse(args.segment_placement,

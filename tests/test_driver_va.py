@@ -164,3 +164,24 @@ def test_capture_checks_the_placement_variable_before_any_rank_starts(capsys, mo
     monkeypatch.setenv("RLHFMEM_SEGMENT_PLACEMENT", "bogus")
     assert main(["capture", "--device", "cuda-sim", "--", "python", "-c", "pass"]) == 2
     assert "$RLHFMEM_SEGMENT_PLACEMENT 'bogus': allowed values are above-last" in capsys.readouterr().err
+
+
+def test_replay_with_another_alloc_conf_keeps_the_traces_segment_placement(tmp_path, capsys):
+    """``rlhfmem replay --alloc-conf`` replaces the allocator's settings, not the driver's placement that the trace
+    carries (``allocator_settings['rlhfmem_segment_placement']``); ``--segment-placement`` still replaces it."""
+    import json
+
+    from pytest_rlhfmem.cli import main
+    from pytest_rlhfmem.memory.allocator import SEGMENT_PLACEMENT_KEY
+    from pytest_rlhfmem.memory.trace_io import save_trace
+
+    path = save_trace(tmp_path / "t.rlhftrace", Trace(events=_program().events, capture="synthetic",
+                                                      allocator_settings={SEGMENT_PLACEMENT_KEY: "first-fit:40MiB"}))
+    runs = {"alloc-conf": ["--alloc-conf", "max_split_size_mb:64"],
+            "both": ["--alloc-conf", "max_split_size_mb:64", "--segment-placement", "above-last"]}
+    out = {}
+    for name, flags in runs.items():
+        assert main(["replay", str(path), "--free-running", "--json", *flags]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert out["alloc-conf"]["segment_placement"] == SegmentPlacement("first-fit", 40 * MiB).spec()
+    assert out["both"]["segment_placement"] == "above-last"

@@ -170,7 +170,9 @@ def _legacy_cache_bridge(layer_forward: Any) -> Any:
     ``DynamicCache`` layer as they are (no copy), and the hidden states are returned alone."""
 
     def forward(self: Any, hidden_states: torch.Tensor, attention_mask: Any = None, past_key_values: Any = None,
-                use_cache: bool = False, **_: Any) -> torch.Tensor:
+                use_cache: bool = False, **kwargs: Any) -> torch.Tensor:
+        if past_key_values is None:  # transformers 5.24 renamed the decoder layer's argument
+            past_key_values = kwargs.get("cache")
         out = layer_forward(self, hidden_states, attention_mask=attention_mask, use_cache=use_cache)
         if isinstance(out, tuple) and isinstance(out[0], tuple):  # return_tuple around (output, presents)
             out = out[0]

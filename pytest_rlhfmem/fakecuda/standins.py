@@ -473,7 +473,8 @@ def _install_hybrid_engine() -> str:
     when it builds its ``WorkspaceOp``. Loading it allocates nothing on a GPU; its workspace and KV cache are
     allocated only by ``generate()`` once inference containers replaced some layers. With transformers 5,
     DeepSpeed 0.19.8 replaces no OPT layer (``populate_all_inference_policies``), so the op is never called:
-    the stand-in is an op with no kernels, and an engine that did inject containers is refused."""
+    the stand-in is an op with no kernels, and an engine that did inject containers is refused unless the scenario
+    asks for the injected kernels (``hybrid_engine_kernels``: ``inference_kernels.install`` replaces this)."""
     from deepspeed.ops.transformer.inference.op_binding.base import BaseOp
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
@@ -485,8 +486,9 @@ def _install_hybrid_engine() -> str:
         if self._inference_containers:
             raise NotImplementedError(
                 f"the Hybrid Engine replaced {len(self._inference_containers)} layers of "
-                f"{type(self.module).__name__} with DeepSpeed inference kernels, which have no stand-ins on the "
-                "fake-CUDA route (their workspace is a raw cudaMalloc); run it on a GPU")
+                f"{type(self.module).__name__} with DeepSpeed inference kernels (this transformers release lets "
+                "it): their stand-ins run only with the scenario override hybrid_engine_kernels=True "
+                "(fakecuda/inference_kernels.py)")
 
     create_inference_module.__wrapped__ = original  # inference_kernels.install builds on DeepSpeed's own
     DeepSpeedHybridEngine.create_inference_module = create_inference_module

@@ -147,7 +147,7 @@ def test_the_hybrid_engine_runs_as_deepspeeds_own_on_the_fake_route(tmp_path):
     ``hybrid_engine_kernels`` it injects its inference layers as the study's DeepSpeed did
     (``fakecuda/inference_kernels.py``): every decoder layer of every forward of the generation runs DeepSpeed's
     Python with the kernels' stand-ins, no kernel falls back to torch, LoRA is fused and unfused around the
-    generation, and the whole model is gathered for it."""
+    generation, and every layer is gathered for all of it."""
     settings = {"off": {"hybrid_engine": False}, "native": {"hybrid_engine": True},
                 "kernels": {"hybrid_engine": True, "hybrid_engine_kernels": True}}
     sc = {k: Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 4, o) for k, o in settings.items()}

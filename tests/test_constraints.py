@@ -67,8 +67,9 @@ def test_every_tox_environment_installs_under_its_constraints_file():
         return constraint("testenv") if section != "testenv" else None
 
     expected = {"py": "deepspeed.txt", "suite": "deepspeed.txt", "methods-mid": "deepspeed.txt",
-                "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "colossalai": "colossalai.txt",
-                "colossalai-suite": "colossalai.txt", "lint": "lint.txt", "latest": None}
+                "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "study-sensitivity": "deepspeed.txt",
+                "colossalai": "colossalai.txt", "colossalai-suite": "colossalai.txt", "lint": "lint.txt",
+                "latest": None}
     envs = {s.split(":", 1)[1] for s in cfg.sections() if s.startswith("testenv:")} | {"py"}
     assert envs == set(expected), "a tox environment without a line here: say which constraints it installs under"
     for env, file in expected.items():

@@ -220,6 +220,9 @@ def test_injected_kernels_are_refused_where_they_cannot_run(tmp_path):
                                                                      "hybrid_engine_kernels": True})
     with pytest.raises(ValueError, match="it needs tensors='sim'"):
         run_fake_cuda(sc, work_dir=tmp_path, tensors="fake")
+    without_he = Scenario("deepspeed-chat", "tiny-opt", "zero3", "none", 2, {"hybrid_engine_kernels": True})
+    with pytest.raises(ValueError, match="runs without the Hybrid Engine"):  # tiny-opt's default: no Hybrid Engine
+        run_fake_cuda(without_he, work_dir=tmp_path, tensors="sim")
     with pytest.raises(ScenarioError, match="fake-CUDA route only .* no injected layer to run on cpu"):
         run_scenario(sc, device="cpu", work_dir=tmp_path)
     assert sc.id.endswith("hybrid_engine=True,hybrid_engine_kernels=True")

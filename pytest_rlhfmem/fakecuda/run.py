@@ -57,10 +57,16 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
         cmd += ["--without-flush-out", str(plain_out)]
     env = dict(os.environ, DS_ACCELERATOR="cuda", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS=str(scenario.get("threads", 1)), PYTHONUNBUFFERED="1")
-    if scenario.get("hybrid_engine_kernels") and tensors != "sim":
-        raise ValueError("hybrid_engine_kernels=True runs the injected kernels' stand-ins on the simulated CUDA "
-                         "device (their outputs are views of a workspace outside the caching allocator): it needs "
-                         "tensors='sim'")
+    if scenario.get("hybrid_engine_kernels"):
+        from ..rlhf.deepspeed_chat.configs import ppo_setting
+
+        if tensors != "sim":
+            raise ValueError("hybrid_engine_kernels=True runs the injected kernels' stand-ins on the simulated CUDA "
+                             "device (their outputs are views of a workspace outside the caching allocator): it "
+                             "needs tensors='sim'")
+        if not ppo_setting(scenario, "hybrid_engine"):  # the pair's default too, which Scenario cannot see
+            raise ValueError(f"hybrid_engine_kernels=True injects the Hybrid Engine's kernels, but {scenario.id} "
+                             "runs without the Hybrid Engine (set the override hybrid_engine True)")
     if sdpa is not None:
         if tensors != "sim":
             raise ValueError(f"sdpa={sdpa!r} chooses the simulated CUDA device's attention kernel: "

@@ -34,16 +34,13 @@ def _replay(args: argparse.Namespace) -> int:
             trace, recorded_config, reader = snapshot_columns_for_replay(args.snapshot, args.device, version)
             if "unavailable" in reader:
                 print(f"rlhfmem: note: {reader[len('python ('):-1]}; the pickle was read in Python", file=sys.stderr)
-        if config is None:
-            config = recorded_config
-        elif args.segment_placement is None:  # the driver's placement is not an allocator setting: keep the trace's
-            config = config.with_options(segment_placement=recorded_config.segment_placement)
-        if args.segment_placement is not None:
-            try:
-                config = config.with_options(segment_placement=SegmentPlacement.parse(args.segment_placement,
-                                                                                      "--segment-placement"))
-            except ValueError as exc:
-                raise CliError(str(exc)) from None
+        # the driver's placement is not an allocator setting: --alloc-conf keeps the trace's, --segment-placement wins
+        try:
+            placement = (recorded_config.segment_placement if args.segment_placement is None
+                         else SegmentPlacement.parse(args.segment_placement, "--segment-placement"))
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        config = (config or recorded_config).with_options(segment_placement=placement)
         capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
         result = replay_columns(trace, config=config, mode=args.mode, capacity=capacity, engine=args.engine)
     except (SnapshotError, AllocatorConfigError, ReplayError, TraceFileError) as exc:

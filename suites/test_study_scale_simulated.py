@@ -15,12 +15,16 @@ wrote instead of running again.
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from pytest_rlhfmem.fakecuda.run import run_fake_cuda
 from pytest_rlhfmem.rlhf.scenario import Scenario
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import study_scale  # noqa: E402
 
 STRATEGIES = ("none", "zero2", "zero3", "zero3-offload", "all")
 # The route is deterministic: the figures the README's "The study's scale without a GPU" table gives (GiB to one
@@ -38,8 +42,9 @@ _cache: dict[str, dict] = {}
 
 
 # run_1.3b.sh on the study's DeepSpeed: the Hybrid Engine injected its inference kernels into OPT, which DeepSpeed
-# 0.19.8 does not do for transformers 5; the fake-CUDA route runs them as stand-ins (fakecuda/inference_kernels.py)
-SCRIPTS = {"hybrid_engine_kernels": True}
+# 0.19.8 does not do for transformers 5; the fake-CUDA route runs them as stand-ins (fakecuda/inference_kernels.py).
+# The overrides benchmarks/study_scale.py runs by default, which recorded the pinned figures.
+SCRIPTS = study_scale.SCRIPTS_OVERRIDES
 
 
 def _scenario(strategy: str, flush: str) -> Scenario:

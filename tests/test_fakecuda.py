@@ -164,9 +164,8 @@ def test_the_hybrid_engine_runs_as_deepspeeds_own_on_the_fake_route(tmp_path):
     assert any(s.startswith("Hybrid Engine with its inference kernels") for s in kernels["standins"])
     layers, forwards = 4, 16  # tiny-opt's actor; one forward per generated token (answer_len 16)
     calls = kernels["inference_kernel_calls"]
-    assert {k: calls[k] for k in ("qkv_gemm", "softmax_context", "vector_matmul", "mlp_gemm", "residual_add_bias")} \
-        == dict.fromkeys(("qkv_gemm", "softmax_context", "vector_matmul", "mlp_gemm", "residual_add_bias"),
-                         layers * forwards)
+    per_layer = ("qkv_gemm", "softmax_context", "vector_matmul", "mlp_gemm", "residual_add_bias")
+    assert {k: calls[k] for k in per_layer} == dict.fromkeys(per_layer, layers * forwards)
     assert calls["allocate_workspace"] == 1 and "layer_norm" not in calls  # pre-LN OPT: no empty_like
     assert calls["fuse_lora (peft merge)"] == calls["unfuse_lora (peft unmerge)"] == layers * 6  # q k v out fc1 fc2
     # GenWorkSpace for batch 2, 4 layers, hidden 256, 4 heads, 32 tokens: (5120 + 256 + 4096) * 32 * 2 bytes

@@ -65,7 +65,7 @@ class InferenceKernels:
             kernel = getattr(self, f"_{base}")
 
             def counted(*args: Any) -> Any:
-                self.calls[base] = self.calls.get(base, 0) + 1
+                self.count(base)
                 if base == "allocate_workspace":  # sizeof(T) of the template instance
                     return kernel(*args, dtype=self.DTYPES[suffix])
                 return kernel(*args)
@@ -74,6 +74,10 @@ class InferenceKernels:
         if name in ("release_workspace", "retake_workspace", "reset_cache"):
             return getattr(self, f"_{name}")
         raise AttributeError(f"DeepSpeed's transformer_inference op has no stand-in for {name}")
+
+    def count(self, name: str) -> None:
+        """One more call of ``name`` in :attr:`calls`."""
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     # ---- workspace (inference_context.h: GenWorkSpace, release_workspace, retake_workspace) ----------------------
     def _allocate_workspace(self, hidden: int, heads: int, prompt_len: int, batch: int, num_layers: int,
@@ -233,12 +237,12 @@ def install() -> tuple[InferenceKernels, list[str]]:
     def fuse(self: Any, layer_id: int) -> None:
         for m in self._peft_lora[layer_id]:
             m.merge()
-            kernels.calls["fuse_lora (peft merge)"] = kernels.calls.get("fuse_lora (peft merge)", 0) + 1
+            kernels.count("fuse_lora (peft merge)")
 
     def unfuse(self: Any, layer_id: int) -> None:
         for m in self._peft_lora[layer_id]:
             m.unmerge()
-            kernels.calls["unfuse_lora (peft unmerge)"] = kernels.calls.get("unfuse_lora (peft unmerge)", 0) + 1
+            kernels.count("unfuse_lora (peft unmerge)")
 
     DeepSpeedHybridEngine.populate_all_inference_policies = populate_with_opt
     DeepSpeedHybridEngine.create_inference_module = create_with_peft_lora

@@ -161,6 +161,7 @@ class RankCapture:
         self.rec.host.start()
         self.rec.start()
         self.rec.intercept_empty_cache()
+        self.rec.intercept_history()  # CUDA: the program's own history calls cannot stop or resize ours
         api._activate(self.rec)
         return self.rec
 
@@ -177,17 +178,47 @@ class RankCapture:
 
     def finish(self, info: dict | None, error: dict | None) -> dict:
         """Stop, replay (CPU: through the allocator model; CUDA: the real trace), write the rank's result
-        (and its memory_viz snapshot with ``snapshot_dir``); returns the result dict."""
+        (and its memory_viz snapshot with ``snapshot_dir``); returns the result dict.
+
+        Guarded: an exception while stopping, replaying or writing (a wrapped CUDA memory history:
+        :class:`~.memory.capture.HistoryWrapped`; a trace the model cannot follow; a full disk) still writes
+        ``result-rank<R>.json``, a failure in phase ``finish`` with the exception's first line and the figures
+        known so far (:func:`finish_failure_result`); an error of the program itself stays the rank's error,
+        the finish failure beside it (``finish_error``)."""
         from . import api
-        from .hostcpu import host_cpu_profile
-        from .memory.host import attach_host
 
         wall = time.perf_counter() - self._t0
         api._activate(None)
         rec = self.rec
         exit_phase = rec.current_phase
+        stage: dict[str, Any] = {}
+        try:
+            return self._finish(info, error, wall, exit_phase, stage)
+        except Exception as exc:  # noqa: BLE001 - every failure of the finish becomes a structured result
+            failure = {"phase": "finish", "time": time.time(), "type": type(exc).__name__,
+                       "message": _one_line(exc), "traceback": traceback.format_exc()[-4000:]}
+            result = finish_failure_result(self.identity, self.rank, self.world_size, self.device, rec,
+                                           stage.get("trace"), info, error or failure, self.threads, wall, exc)
+            if error:
+                result["finish_error"] = failure
+            result["exit_phase"] = exit_phase
+            result["capture_description"] = {**result["capture_description"], **self.description}
+            try:
+                from .memory.host import attach_host
+
+                attach_host(result, rec.host)
+            except Exception:  # noqa: BLE001 - the host figures are extras here
+                pass
+            _write_json(self.out_dir / f"result-rank{self.rank}.json", result)
+            return result
+
+    def _finish(self, info: dict | None, error: dict | None, wall: float, exit_phase: str, stage: dict) -> dict:
+        from .hostcpu import host_cpu_profile
+        from .memory.host import attach_host
+
+        rec = self.rec
         rec.host.stop()
-        trace = rec.stop()
+        trace = stage["trace"] = rec.stop()
         if self.threads is None:
             import torch
 
@@ -195,6 +226,11 @@ class RankCapture:
         result = rank_result(self.identity, self.rank, self.world_size, self.device, rec, trace, info, error,
                              self.threads, wall)
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
+        history = getattr(rec, "history", None)
+        if history is not None:  # CUDA: how the memory history was kept, and the clock the phases were cut by
+            result["cuda_history"] = {"max_entries": history.max_entries, "context": history.context,
+                                      "mark_clock": rec.mark_clock, "program_calls": history.user_calls,
+                                      "program_calls_passed_on": history.forwarded}
         result["exit_phase"] = exit_phase  # where the program was when it ended (an exit status names it)
         result["capture_description"] = {**result["capture_description"], **self.description}
         if callable(self.extra):
@@ -244,11 +280,78 @@ def merge_windows(windows: list[dict], records: list, root: str | None, wall_s: 
         r["windows"] = sum(1 for w in windows if w["phase"] == name)
         real = stats.get(name, [])
         if real and all(real):  # CUDA: the real allocator's memory_stats() of every occurrence win
-            for k in ("peak_reserved", "peak_allocated"):
-                r[k] = max(st[k] for st in real)
+            for k in ("peak_reserved", "peak_allocated"):  # only in stats taken after a peak reset (none now)
+                if all(k in st for st in real):
+                    r[k] = max(st[k] for st in real)
             for k in ("cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms"):
-                r[k] = sum(st[k] for st in real)
+                if all(k in st for st in real):
+                    r[k] = sum(st[k] for st in real)
     return list(rows.values())
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: its message's first line (the type's name when empty), at most 500 chars."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:500]
+
+
+def finish_failure_result(identity, rank: int, world_size: int, device: str, rec, trace, info: dict | None,
+                          error: dict, threads: int | None, wall_s: float, exc: BaseException) -> dict:
+    """A rank's result when its finish failed: the keys of :func:`rank_result` (``status`` ``failed``) with the
+    figures known without a replay. Per phase: wall time and, on CUDA, the allocator's ``memory_stats()``
+    counters. Total: on CUDA, a :class:`~.memory.capture.HistoryWrapped`'s ``memory_stats()`` peaks (bytes,
+    since the process began or the program's last ``reset_peak_memory_stats()``), else ``None``. ``events``:
+    the trace's allocations and frees when it was read, else the history entries the exception counted."""
+    from .memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, SIMULATED_CAPTURES
+
+    capture = trace.capture if trace is not None else {"cuda": CAPTURE_CUDA, "cuda-sim": CAPTURE_SIM_CUDA_SIMULATED,
+                                                       "off": "none"}.get(rec.device, CAPTURE_CPU_SIMULATED)
+    stats = getattr(exc, "stats", {}) or {}
+    phases: dict[str, dict] = {}
+    for p in rec.phases:
+        row = phases.setdefault(p.name, {"phase": p.name, "peak_reserved": None, "peak_allocated": None,
+                                         "wall_s": 0.0, "windows": 0})
+        row["wall_s"] = round(row["wall_s"] + p.wall_s, 6)
+        row["windows"] += 1
+        for k, v in (p.cuda_stats or {}).items():
+            if k in ("cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms"):
+                row[k] = row.get(k, 0) + v
+    try:
+        description = rec.capture_description()
+    except Exception:  # noqa: BLE001
+        description = {}
+    events = (sum(1 for e in trace.events if e.action in ("alloc", "free")) if trace is not None
+              else int(getattr(exc, "entries", 0) or 0))
+    return {
+        "schema": RESULT_SCHEMA,
+        "scenario": identity.to_dict(),
+        "scenario_id": identity.id,
+        "rank": rank,
+        "world_size": world_size,
+        "device": device,
+        "capture": capture,
+        "capture_backend": rec.backend,
+        "capture_description": description,
+        "cuda_emulation_report": None,
+        "simulated": capture in SIMULATED_CAPTURES,
+        "status": "failed",
+        "error": error,
+        "versions": versions(),
+        "threads": threads,
+        "wall_s": round(wall_s, 6),
+        "total": {"peak_reserved": stats.get("peak_reserved"), "peak_allocated": stats.get("peak_allocated")},
+        "phases": list(phases.values()),
+        "peak_phase": None,
+        "final_requested": None,
+        "flushes": [],
+        "cuda_frees_outside_flushes": None,
+        "requested_at_phase_end": {},
+        "events": events,
+        "host_bytes_annotated": rec.host_bytes_annotated,
+        "frees_on_other_threads": dict(zip(("count", "bytes", "largest"), rec.frees_on_other_threads)),
+        "recipe": info or {},
+        "series": None,
+    }
 
 
 def _write_snapshot(trace, snapshot_dir: str, ident: str, rank: int) -> Path:  # noqa: ANN001

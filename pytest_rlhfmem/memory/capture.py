@@ -1,8 +1,14 @@
 """Capture one rank's device allocation trace, phases and flushes included.
 
 - CUDA: PyTorch's memory history (``torch.cuda.memory._record_memory_history``) started before the
-  first model is built, plus ``torch.cuda.memory_stats()`` read at every phase end (peak since
-  ``reset_peak_memory_stats`` at the phase start). Figures are the real allocator's.
+  first model is built (:class:`CudaHistory`: its ring buffer sized by ``$RLHFMEM_HISTORY_MAX_ENTRIES``,
+  no stack frames unless ``$RLHFMEM_HISTORY_CONTEXT`` asks), plus ``torch.cuda.memory_stats()`` counters
+  read at every phase start and end. Peaks per phase come from the anchored replay of the whole trace,
+  never from ``reset_peak_memory_stats()`` (that would reset the program's own ``max_memory_*``
+  counters, and a program resetting them, as DeepSpeed's ``see_memory_usage`` does, would cut ours).
+  Phase and flush marks are put on the allocator's own clock (``external_annotations``,
+  :func:`cuda_trace_with_marks`). A trace whose ring buffer wrapped is refused (:class:`HistoryWrapped`),
+  never replayed as if complete. Figures are the real allocator's.
 - CPU: a recording wrapper around PyTorch's CPU allocator (``cpu_recorder.py``) logs every allocation
   and free (pointer, requested bytes) from every thread, from before the first model is built, with
   markers (phase starts, flushes, placement annotations) in the same ordered buffer. Where it cannot be
@@ -23,6 +29,9 @@ moved to CPU) sits in the same allocator as device tensors. The recipe says what
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +47,18 @@ from .trace import (
 )
 
 _MARK = "rlhfmem::mark::"
+# CUDA: the record_function names of the phase/flush marks (``<prefix><index into Recorder._phase_marks_us>``)
+# and of the bounds of the program's own history windows (CudaHistory), in the snapshot's external_annotations
+CUDA_MARK = "rlhfmem::cuda_mark::"
+USER_HISTORY_MARK = "rlhfmem::user_history::"
+ENV_HISTORY_MAX_ENTRIES = "RLHFMEM_HISTORY_MAX_ENTRIES"  # the memory history's ring buffer, in entries
+ENV_HISTORY_CONTEXT = "RLHFMEM_HISTORY_CONTEXT"  # stack frames recorded: none (default) | state | alloc | all
+# About three entries per allocation (alloc, free_requested, free_completed) plus the segment events: the
+# study's scale (1.65 M allocations per rank) needs about 5 M. PyTorch's ring buffer grows as it fills, so an
+# unused capacity costs nothing; a full one holds each entry in the allocator (C++) and, at ``_snapshot()``,
+# as a Python dict of about 0.4 KiB without frames (about 3.2 GiB of host memory for 8 M entries).
+DEFAULT_HISTORY_MAX_ENTRIES = 8_000_000
+HISTORY_CONTEXTS = ("none", "state", "alloc", "all")  # torch.cuda.memory._record_memory_history's context
 # recorder row kind (0 alloc, 1 free, 2 mark, 3 free requested: sim_cuda.SimCudaRows) -> cpu_events' item kind
 ITEM_KIND = {0: 0, 1: 0, 2: 1, 3: 2}
 
@@ -83,7 +104,10 @@ class Recorder:
 
     device: str  # "cpu" | "cuda" | "cuda-sim"
     on_phase: Callable[[str], None] | None = None  # called at each phase start (progress files)
-    max_entries: int = 2_000_000
+    # CUDA: the memory history's ring buffer (entries) and stack context; None: history_settings() (environment)
+    max_entries: int | None = None
+    history_context: str | None = None
+    history: CudaHistory | None = None  # CUDA: our memory history and the program's calls served from it
     phases: list[PhaseRecord] = field(default_factory=list)
     host_bytes_annotated: int = 0
     frees_on_other_threads: tuple = (0, 0, [])  # (count, bytes, largest): frees done by other threads
@@ -91,7 +115,8 @@ class Recorder:
     _prof: object = None
     _ext: object = None
     backend: str = ""
-    _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, time_us, name)
+    _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, wall time_us, name)
+    mark_clock: str = ""  # CUDA: the clock the marks were merged by (mark_times)
     # CPU only: the CUDA emulation (memory/emulation.py) applied to the capture; None = off.
     cuda_emulation: emulation.EmulationSettings | None = field(default_factory=emulation.EmulationSettings)
     emulation_report: emulation.EmulationReport | None = None
@@ -114,10 +139,12 @@ class Recorder:
             return
         if self.device == "cuda":
             import torch
+            from torch.autograd.profiler import record_function
 
-            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
-                                                     max_entries=self.max_entries)
-            torch.cuda.reset_peak_memory_stats()
+            self.max_entries, self.history_context = history_settings(self.max_entries, self.history_context)
+            self.history = CudaHistory(torch.cuda.memory, self.max_entries, self.history_context, record_function,
+                                       device=torch.cuda.current_device())
+            self.history.start()
             self.backend = "torch.cuda.memory._record_memory_history"
         elif self.row_source is not None:  # the simulated CUDA device: CUDA's code paths, no emulation
             self._ext = self.row_source
@@ -147,7 +174,8 @@ class Recorder:
             self._mark(PHASE, self.root)
 
     def stop(self) -> Trace:
-        """Stop recording and return the device trace (phases, flushes, placement applied)."""
+        """Stop recording and return the device trace (phases, flushes, placement applied). Raises
+        :class:`HistoryWrapped` on CUDA when the memory history lost its first entries."""
         self.restore_empty_cache()
         if self.device == "off":
             return Trace(events=[], capture="none", source="capture off")
@@ -161,7 +189,10 @@ class Recorder:
             return
         if self.device == "cuda":
             if kind in (PHASE, PHASE_END, FLUSH):
+                k = len(self._phase_marks_us)
                 self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))
+                if self.history is not None:  # the same mark on the allocator's clock
+                    self.history.mark(f"{CUDA_MARK}{k}")
             return
         k = len(self._marks)
         self._marks.append((kind, payload))
@@ -186,7 +217,8 @@ class Recorder:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[PhaseRecord]:
         """Mark a phase; measures its wall time (seconds, nested phases included) and, on CUDA, its
-        memory_stats() (a top-level phase with no phase nested in it; otherwise the trace's figures)."""
+        ``memory_stats()`` counters (:func:`cuda_phase_counters`; a top-level phase with no phase nested in it,
+        otherwise the trace's figures). Peaks are the trace's (the replay's), on every device."""
         rec = PhaseRecord(name)
         self.phases.append(rec)
         nested = bool(self._stack)
@@ -203,8 +235,7 @@ class Recorder:
             import torch
 
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_stats()
+            before = torch.cuda.memory_stats()  # counters only: the program's peak counters are left alone
         self._mark(PHASE, name)
         self.error_phase = None  # a phase began: an exception seen before was handled
         t0 = time.perf_counter()
@@ -218,7 +249,7 @@ class Recorder:
                 import torch
 
                 torch.cuda.synchronize()
-                rec.cuda_stats = cuda_phase_stats(before, torch.cuda.memory_stats())
+                rec.cuda_stats = cuda_phase_counters(before, torch.cuda.memory_stats())
             rec.wall_s += time.perf_counter() - t0
             self._mark(PHASE_END, name)
             if self.host is not None:
@@ -441,23 +472,44 @@ class Recorder:
         return [e for e in out if e is not None]
 
     # -- CUDA -------------------------------------------------------------------------------------
+    def intercept_history(self) -> None:
+        """CUDA: serve the program's own ``torch.cuda.memory._record_memory_history``/``_snapshot`` calls from
+        our recording (:class:`CudaHistory`), so they can neither stop nor resize it; ``stop()`` restores them."""
+        if self.history is not None:
+            self.history.intercept()
+
     def _stop_cuda(self) -> Trace:
+        """The snapshot's trace with the marks merged. Raises :class:`HistoryWrapped` (recording stopped) when
+        the history lost entries (:func:`history_lost`)."""
         import torch
 
-        snap = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        return cuda_trace_with_marks(snap, self._phase_marks_us, device=torch.cuda.current_device())
+        device = self.history.device if self.history.device is not None else torch.cuda.current_device()
+        snap, allocs_made = self.history.stop()
+        lost = history_lost(snap, device, self.history.max_entries, allocs_made)
+        if lost:
+            stats = torch.cuda.memory_stats(device)
+            entries = len((snap.get("device_traces") or [[]] * (device + 1))[device])
+            raise HistoryWrapped(lost, entries, {"peak_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
+                                                 "peak_allocated": int(stats.get("allocated_bytes.all.peak", 0))})
+        trace = cuda_trace_with_marks(snap, self._phase_marks_us, device=device)
+        self.mark_clock = mark_times(snap, self._phase_marks_us)[1]
+        return trace
 
 
 def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device: int = 0) -> Trace:
-    """A recorded CUDA snapshot's trace with phase/flush marks merged in by ``time_us``.
+    """A recorded CUDA snapshot's trace with phase/flush marks merged in by time.
 
-    The memory history timestamps and ``marks`` are both wall-clock microseconds. Pure data handling:
-    tested on recorded snapshots, no GPU needed.
+    ``marks``: ``(kind, wall-clock time_us, name)`` in the order made. Each mark's time is its time on the
+    allocator's own clock where the snapshot's ``external_annotations`` carry it, else the wall clock
+    (:func:`mark_times` says how; ``Trace.source`` names the clock used). A mark goes after every trace
+    entry stamped earlier and before every entry stamped at its microsecond or later. Pure data handling:
+    tested on recorded and synthetic snapshots, no GPU needed. Raises ``SnapshotError`` as
+    :func:`~.trace.trace_from_snapshot`.
     """
-    trace = trace_from_snapshot(snap, device=device, source="torch.cuda.memory._snapshot")
+    times, clock = mark_times(snap, marks)
+    trace = trace_from_snapshot(snap, device=device, source=f"torch.cuda.memory._snapshot (phase marks: {clock})")
     merged: list[Event] = []
-    ms = sorted(marks, key=lambda m: m[1])
+    ms = [(m[0], t, m[2]) for m, t in zip(marks, times)]
     j = 0
     for e in trace.events:
         while j < len(ms) and ms[j][1] <= e.time_us:
@@ -473,7 +525,9 @@ def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device:
 def cuda_phase_stats(before: dict, after: dict) -> dict:
     """One phase's real figures from two ``torch.cuda.memory_stats()`` dicts (bytes and counts).
 
-    Peaks are valid because the phase began with ``reset_peak_memory_stats()``.
+    Peaks are valid only when the phase began with ``reset_peak_memory_stats()``: the recorder no longer
+    does that (it resets the program's own counters) and records :func:`cuda_phase_counters` instead; this
+    reads ``memory_stats()`` pairs taken that way.
     """
     def d(key: str) -> int:
         return int(after.get(key, 0)) - int(before.get(key, 0))
@@ -487,3 +541,303 @@ def cuda_phase_stats(before: dict, after: dict) -> dict:
         "alloc_retries": d("num_alloc_retries"),
         "ooms": d("num_ooms"),
     }
+
+
+def cuda_phase_counters(before: dict, after: dict) -> dict:
+    """One phase's allocator counters from two ``torch.cuda.memory_stats()`` dicts: cudaMalloc/cudaFree
+    calls, allocation retries and OOMs during the phase (counts). No peaks: the recorder never calls
+    ``reset_peak_memory_stats()`` (the program's own ``max_memory_*`` counters), so a phase's peaks come
+    from the replay of the whole trace. A counter that went down (the program called
+    ``reset_accumulated_memory_stats()`` inside the phase) is left out: the replay's count stands."""
+    out = {}
+    for key, names in (("cuda_malloc_count", ("num_device_alloc", "segment.all.allocated")),
+                       ("cuda_free_count", ("num_device_free", "segment.all.freed")),
+                       ("alloc_retries", ("num_alloc_retries",)), ("ooms", ("num_ooms",))):
+        name = next((n for n in names if n in after), None)
+        if name is None:
+            continue
+        delta = int(after.get(name, 0)) - int(before.get(name, 0))
+        if delta >= 0:
+            out[key] = delta
+    return out
+
+
+class HistoryWrapped(RuntimeError):
+    """The CUDA memory history's ring buffer lost its first entries: the trace is partial. The message is
+    one line naming the cause and the fix; ``stats``: what ``memory_stats()`` said at the end (bytes)."""
+
+    def __init__(self, message: str, entries: int = 0, stats: dict | None = None) -> None:
+        super().__init__(message)
+        self.entries = entries
+        self.stats = stats or {}
+
+
+def history_settings(max_entries: int | None = None, context: str | None = None,
+                     env: dict | None = None) -> tuple[int, str | None]:
+    """The memory history's ``(max_entries, context)``: the given values, else ``$RLHFMEM_HISTORY_MAX_ENTRIES``
+    (a positive integer; default :data:`DEFAULT_HISTORY_MAX_ENTRIES`) and ``$RLHFMEM_HISTORY_CONTEXT``
+    (one of :data:`HISTORY_CONTEXTS`, default ``none``: no stack frames, which nothing here reads; ``state``,
+    ``alloc`` or ``all`` as ``torch.cuda.memory._record_memory_history``'s ``context``, with Python frames).
+    ``context`` comes back as ``None`` for ``none``. Raises ``ValueError`` (one line naming the variable, its
+    value and the allowed values) for anything else."""
+    env = os.environ if env is None else env
+    if max_entries is None:
+        raw = env.get(ENV_HISTORY_MAX_ENTRIES, "").strip().replace("_", "")
+        try:
+            max_entries = int(raw) if raw else DEFAULT_HISTORY_MAX_ENTRIES
+        except ValueError:
+            max_entries = 0
+        if max_entries <= 0:
+            raise ValueError(f"${ENV_HISTORY_MAX_ENTRIES}={env.get(ENV_HISTORY_MAX_ENTRIES)!r}: allowed values: a "
+                             f"positive number of memory history entries (default {DEFAULT_HISTORY_MAX_ENTRIES})")
+    if context is None:
+        context = env.get(ENV_HISTORY_CONTEXT, "none").strip().lower() or "none"
+        if context not in HISTORY_CONTEXTS:
+            raise ValueError(f"${ENV_HISTORY_CONTEXT}={env.get(ENV_HISTORY_CONTEXT)!r}: allowed values: "
+                             f"{', '.join(HISTORY_CONTEXTS)}")
+    return max_entries, (None if context == "none" else context)
+
+
+def history_lost(snap: dict, device: int, max_entries: int, allocs_made: int | None = None) -> str | None:
+    """Why the memory history of ``device`` in ``snap`` (a ``torch.cuda.memory._snapshot()`` dict) is partial,
+    as one line with the fix, or ``None`` when it is whole.
+
+    PyTorch keeps the history in a ring buffer (``RingBuffer::insertEntries`` in
+    ``c10/cuda/CUDACachingAllocator.cpp``): once it holds ``max_entries`` entries each new one overwrites the
+    oldest, and ``getEntries`` returns the survivors in order, so nothing in the file says that entries were
+    lost. Two signs that they were: the trace holds ``max_entries`` entries (full: the first may be gone), or
+    it holds fewer ``alloc`` entries than the allocator made allocations since recording began
+    (``allocs_made``: the growth of ``memory_stats()["allocation.all.allocated"]``; ``None``: not known)."""
+    traces = snap.get("device_traces") or []
+    entries = traces[device] if 0 <= device < len(traces) else []
+    n = len(entries)
+    fix = (f"rerun with ${ENV_HISTORY_MAX_ENTRIES}={2 * max(max_entries, n):_} (about 0.4 KiB of host memory per "
+           "entry at the snapshot)")
+    if n >= max_entries:
+        return (f"CUDA memory history of device {device} filled its ring buffer of {max_entries:_} entries, so its "
+                f"first entries (the start of the run) were overwritten and the trace is partial: {fix}")
+    if allocs_made is not None:
+        allocs = sum(1 for e in entries if e.get("action") == "alloc")
+        if allocs < allocs_made:
+            return (f"CUDA memory history of device {device} holds {allocs:_} allocations of the {allocs_made:_} the "
+                    f"allocator made while recording (entries lost: the history was cleared, resized or wrapped), "
+                    f"so the trace is partial: {fix}")
+    return None
+
+
+def mark_times(snap: dict, marks: list[tuple[str, int, str]]) -> tuple[list[int], str]:
+    """Each mark's time (microseconds) on the allocator's own clock, and which clock that was.
+
+    ``marks``: ``(kind, wall-clock time_us, name)`` in the order they were made; mark ``k`` was also recorded
+    as ``torch.autograd.profiler.record_function("rlhfmem::cuda_mark::<k>")``, which memory history turns into
+    START/END entries of the snapshot's ``external_annotations`` (``_initRecordAnnotations`` in
+    ``torch/csrc/cuda/memory_snapshot.cpp``; ``recordAnnotation`` stamps them with ``getApproximateTime()``,
+    the clock of the trace entries, and ``snapshot()`` converts both with one ``tsc_to_us``; torch >= 2.6).
+    Where every mark has its START annotation, those times; where none has (an older torch, or annotations
+    off), the wall clock (``time.time_ns()``: a skew against the allocator's clock misplaces marks by it);
+    where some have (the annotation buffer was cleared by a later ``_record_memory_history`` call, or a mark
+    was made on a thread without the annotation callback), the others are their wall-clock times shifted by
+    the median offset between the two clocks over the marks that have both. Times are made non-decreasing
+    in mark order (the marks were made in that order)."""
+    found: dict[int, int] = {}
+    for a in snap.get("external_annotations") or []:
+        name = str(a.get("name", ""))
+        if a.get("stage") != "START" or not name.startswith(CUDA_MARK):
+            continue
+        try:
+            k = int(name[len(CUDA_MARK):])
+        except ValueError:
+            continue
+        if 0 <= k < len(marks) and k not in found:
+            found[k] = int(a.get("time_us") or 0)
+    if not found:
+        times = [m[1] for m in marks]
+        clock = "wall clock (no external_annotations of the marks in the snapshot)" if marks else "no marks"
+    elif len(found) == len(marks):
+        times = [found[k] for k in range(len(marks))]
+        clock = "allocator clock (external_annotations)"
+    else:
+        offsets = sorted(found[k] - marks[k][1] for k in found)
+        off = offsets[len(offsets) // 2]
+        times = [found.get(k, marks[k][1] + off) for k in range(len(marks))]
+        clock = (f"allocator clock (external_annotations; {len(marks) - len(found)} of {len(marks)} marks from the "
+                 f"wall clock shifted by {off} us)")
+    for k in range(1, len(times)):
+        times[k] = max(times[k], times[k - 1])
+    return times, clock
+
+
+_CONTEXT_RANK = {None: 0, "state": 1, "alloc": 2, "all": 3}
+
+
+class CudaHistory:
+    """The rank's memory history on the real CUDA allocator, and the program's own history calls served
+    from it.
+
+    ``memory`` is ``torch.cuda.memory`` (a stand-in in unit tests); ``record_function`` is
+    ``torch.autograd.profiler.record_function``. :meth:`start` calls ``_record_memory_history(enabled="all",
+    context=..., stacks="python", max_entries=...)``. PyTorch has one history per process: a program's own
+    ``_record_memory_history(enabled=None)`` would stop ours and its ``max_entries`` would resize our ring
+    buffer (``recordHistory`` in ``CUDACachingAllocator.cpp``). :meth:`intercept` replaces
+    ``torch.cuda.memory._record_memory_history`` and ``_snapshot`` (``_dump_snapshot`` and
+    ``_memory_viz`` call ``_snapshot``) while the capture runs:
+
+    - the program's call never stops or shrinks our recording. It opens or closes the program's window
+      (a ``record_function`` mark on the allocator's clock); a request for more stack context than is
+      recorded (``context``/``stacks``) or for a larger finite buffer is passed on, raised, never lowered.
+      PyTorch then clears its annotation buffer: marks made before keep their wall-clock time, shifted
+      (:func:`mark_times`);
+    - the program's ``_snapshot()`` is the real one (segments as they are) with each device trace cut to the
+      program's windows (entries between its enable and disable, since its last ``clear_history``; none
+      before it first enabled) and to its last ``max_entries`` (one for ``enabled="state"``, as PyTorch keeps),
+      and without our annotations. A window bound without its annotation (torch < 2.6, or cleared) is the
+      recording's start (or end).
+    """
+
+    def __init__(self, memory: object, max_entries: int, context: str | None,
+                 record_function: Callable | None = None, device: int | None = None) -> None:
+        self.memory = memory
+        self.device = device  # the rank's CUDA device (None: the current one)
+        self.max_entries = max_entries
+        self.context = context
+        self.stacks = "python"
+        self.record_function = record_function
+        self.allocs_at_start: int | None = None
+        self._real: dict[str, Callable] = {}  # the originals while intercepted
+        self.windows: list[list] = []  # the program's windows: [start mark, stop mark or None]
+        self.user_max_entries: int | None = None
+        self.user_calls = 0
+        self.forwarded = 0  # the program's calls passed on to PyTorch (each clears its annotation buffer)
+
+    # -- ours ---------------------------------------------------------------------------------------
+    def _original(self, name: str) -> Callable:
+        return self._real.get(name) or getattr(self.memory, name)
+
+    def _record(self, **kw: object) -> None:
+        record = self._original("_record_memory_history")
+        try:
+            params = inspect.signature(record).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            kw = {k: v for k, v in kw.items() if k in params}
+        record(**kw)
+
+    def _allocations(self) -> int | None:
+        try:
+            return int(self.memory.memory_stats(self.device).get("allocation.all.allocated", 0))
+        except Exception:  # noqa: BLE001 - a figure for the wrap check only
+            return None
+
+    def start(self) -> None:
+        self._record(enabled="all", context=self.context, stacks=self.stacks, max_entries=self.max_entries)
+        self.allocs_at_start = self._allocations()
+
+    def mark(self, name: str) -> None:
+        """A START/END annotation named ``name`` on the allocator's clock (nothing where it cannot)."""
+        if self.record_function is None:
+            return
+        try:
+            with self.record_function(name):
+                pass
+        except Exception:  # noqa: BLE001 - the wall-clock time of the mark stands
+            pass
+
+    def stop(self) -> tuple[dict, int | None]:
+        """The real snapshot and the allocations made since :meth:`start`; recording stopped, the program's
+        functions restored."""
+        self.restore()
+        allocs = self._allocations()
+        try:
+            snap = self._original("_snapshot")()
+        finally:
+            self._record(enabled=None)
+        made = allocs - self.allocs_at_start if allocs is not None and self.allocs_at_start is not None else None
+        return snap, made
+
+    # -- the program's --------------------------------------------------------------------------------
+    def intercept(self) -> None:
+        if self._real:
+            return
+        for name, fn in (("_record_memory_history", self.user_record), ("_snapshot", self.user_snapshot)):
+            self._real[name] = getattr(self.memory, name)
+            setattr(self.memory, name, fn)
+
+    def restore(self) -> None:
+        for name, fn in self._real.items():
+            setattr(self.memory, name, fn)
+        self._real = {}
+
+    def _bind(self, enabled: object, args: tuple, kwargs: dict) -> tuple[bool, str | None, str, int, bool]:
+        """The program's call as (on, context, stacks, max_entries, clear_history), legacy form included."""
+        if isinstance(enabled, bool):  # _record_memory_history_legacy's arguments
+            legacy = getattr(self.memory, "_record_memory_history_legacy", None)
+            try:
+                b = inspect.signature(legacy).bind(enabled, *args, **kwargs)
+                b.apply_defaults()
+                a = dict(b.arguments)
+            except (TypeError, ValueError):
+                a = dict(kwargs)
+            context = ("alloc" if a.get("trace_alloc_record_context") else "state" if a.get("record_context", True)
+                       else None)
+            stacks = "all" if a.get("record_context_cpp") else "python"
+            n = int(a.get("trace_alloc_max_entries", 1) or 1)
+            return enabled, context, stacks, n, bool(a.get("clear_history", False))
+        real = self._real.get("_record_memory_history")
+        try:
+            b = inspect.signature(real).bind(enabled, *args, **kwargs)
+            b.apply_defaults()
+            a = dict(b.arguments)
+        except (TypeError, ValueError):
+            a = {"enabled": enabled, **kwargs}
+        on = a.get("enabled") not in (None, False)
+        n = int(a.get("max_entries", sys.maxsize)) if a.get("enabled") == "all" else 1
+        return on, a.get("context", "all"), a.get("stacks", "all"), n, bool(a.get("clear_history", False))
+
+    def user_record(self, enabled: object = "all", *args: object, **kwargs: object) -> None:
+        """The program's ``torch.cuda.memory._record_memory_history(...)``."""
+        on, context, stacks, n, clear = self._bind(enabled, args, kwargs)
+        self.user_calls += 1
+        if clear:
+            self.windows = []
+        if not on:
+            if self.windows and self.windows[-1][1] is None:
+                self.windows[-1][1] = f"{USER_HISTORY_MARK}{self.user_calls}"
+                self.mark(self.windows[-1][1])
+            return
+        grow = n if n != sys.maxsize and n > self.max_entries else self.max_entries
+        more_context = _CONTEXT_RANK.get(context, 3) > _CONTEXT_RANK.get(self.context, 0)
+        more_stacks = context is not None and stacks == "all" and self.stacks != "all"
+        if more_context or more_stacks or grow != self.max_entries:
+            self.context = context if more_context else self.context
+            self.stacks = "all" if more_stacks else self.stacks
+            self.max_entries = grow
+            self._record(enabled="all", context=self.context, stacks=self.stacks, max_entries=self.max_entries)
+            self.forwarded += 1
+        self.user_max_entries = n if n != sys.maxsize else None
+        if not self.windows or self.windows[-1][1] is not None:
+            self.windows.append([f"{USER_HISTORY_MARK}{self.user_calls}", None])
+            self.mark(self.windows[-1][0])
+
+    def user_snapshot(self, *args: object, **kwargs: object) -> dict:
+        """The program's ``torch.cuda.memory._snapshot(...)``: the real one, cut to the program's windows."""
+        snap = self._original("_snapshot")(*args, **kwargs)
+        annotations = snap.get("external_annotations") or []
+        at = {a.get("name"): int(a.get("time_us") or 0) for a in annotations
+              if a.get("stage") == "START" and str(a.get("name", "")).startswith(USER_HISTORY_MARK)}
+        # a bound without its annotation (torch < 2.6, or cleared with the annotation buffer): the recording's
+        # start, or its end
+        spans = [(at.get(start, -1), at.get(stop, sys.maxsize) if stop is not None else sys.maxsize)
+                 for start, stop in self.windows]
+        keep = self.user_max_entries
+        traces = []
+        for entries in snap.get("device_traces") or []:
+            inside = [e for e in entries if any(lo <= int(e.get("time_us") or 0) <= hi for lo, hi in spans)]
+            if keep is not None:
+                inside = inside[len(inside) - keep:] if keep < len(inside) else inside
+            traces.append(inside)
+        snap["device_traces"] = traces
+        if "external_annotations" in snap:
+            snap["external_annotations"] = [a for a in annotations
+                                            if not str(a.get("name", "")).startswith("rlhfmem::")]
+        return snap

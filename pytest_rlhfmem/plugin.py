@@ -38,15 +38,20 @@ class _Option:
 OPTIONS = (
     _Option("--gpu-marker", "gpu_marker", "what to do with tests marked gpu: auto = run when enough CUDA devices "
             "(and memory) are present, else skip saying what is missing; skip = skip them all; require = a gpu "
-            "test that cannot run FAILS", "choice", "auto", GPU_MARKER_MODES),
+            "test that cannot run FAILS. Memory: min_memory_gb=N is GB as cards are sold, met by a device whose "
+            "total_memory is at least 0.96 x N x 10^9 bytes (every card sold as N GB: an A10G, L4, RTX 3090 or "
+            "4090 for 24, a T4 or V100 for 16, an A100 or H100 for 40/80; no card sold smaller); "
+            "min_memory_gib=N is exact binary GiB (N x 2^30 bytes)", "choice", "auto", GPU_MARKER_MODES),
     _Option("--rlhfmem-update-baselines", "rlhfmem_update_baselines",
             "write the measured figures as the budgets (only the scenarios that ran) and pass", "bool", False),
     _Option("--rlhfmem-baselines-dir", "rlhfmem_baselines_dir",
             "directory of budget files <profile>/<suite>.yaml (default: baselines/ beside the rootdir)"),
     _Option("--rlhfmem-profile", "rlhfmem_profile", "hardware profile naming the budget directory (default: cpu "
             "for simulated figures, else cuda-<gpu model>-x<count>)"),
-    _Option("--rlhfmem-device", "rlhfmem_device", "where iterations run: auto = CUDA when enough devices, else "
-            "CPU with the allocator model", "choice", "auto", ("auto", "cpu", "cuda")),
+    _Option("--rlhfmem-device", "rlhfmem_device", "where iterations run: auto = CUDA with one device per rank, "
+            "CPU with the allocator model (simulated) when there is no CUDA device, and a run with fewer CUDA "
+            "devices than ranks is refused; cuda without a CUDA device is a usage error", "choice", "auto",
+            ("auto", "cpu", "cuda")),
     _Option("--rlhfmem-cuda-emulation", "rlhfmem_cuda_emulation", "CPU runs: emulate CUDA's own allocations "
             "(cuBLAS workspaces, host scalars, CPU kernel scratch) in the capture; results record it and budgets "
             "of another capture are refused as not comparable", "choice", "on", ("on", "off")),
@@ -107,11 +112,18 @@ def _opt(config: pytest.Config, dest: str) -> Any:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "gpu(count=1, min_memory_gib=None): needs `count` CUDA devices with at least `min_memory_gib` "
-        "GiB each; see --gpu-marker for what happens when they are missing")
+        "markers", "gpu(count=1, min_memory_gb=None): needs `count` CUDA devices, each sold as at least "
+        "`min_memory_gb` GB: a device qualifies when its total_memory is at least 0.96 x min_memory_gb x 10^9 "
+        "bytes, so every card sold as N GB qualifies for N (an A10G reports 23,028 MiB, an RTX 3090 24,268 MiB: "
+        "both 24) and none sold a size smaller; min_memory_gib=N instead asks for exactly N binary GiB "
+        "(N x 2^30 bytes; no card sold as 24 GB has 24 GiB); see --gpu-marker for what happens when they are missing")
     for dest in ("gpu_marker", "rlhfmem_device", "rlhfmem_timeout", "rlhfmem_time_rounds"):
         _opt(config, dest)  # validate ini values early: a bad one is a usage error
     manager = RlhfmemSession(config)
+    if _opt(config, "rlhfmem_device") == "cuda" and not manager.devices:  # before any test: no rank can start
+        from .rlhf.launch import no_cuda_device
+
+        raise pytest.UsageError(f"--rlhfmem-device cuda: {no_cuda_device()}")
     config.pluginmanager.register(manager, "rlhfmem_session")
 
 
@@ -175,10 +187,17 @@ class RlhfmemSession:
         if mark is None:
             return
         mode = _opt(self.config, "gpu_marker")
-        count, min_gib = _gpu_mark_args(mark)
+        try:
+            count, min_gib, min_gb = gpu_mark_args(mark)
+        except ValueError as exc:
+            bad = f"{item.nodeid}: {exc}"
+        else:
+            bad = None
+        if bad:  # outside the except block: one line, no chained traceback
+            pytest.fail(bad, pytrace=False)
         if mode == "skip":
             pytest.skip(f"gpu test (needs {count} CUDA device(s)) skipped by --gpu-marker=skip")
-        why = gpu_shortfall(self.devices, count, min_gib)
+        why = gpu_shortfall(self.devices, count, min_memory_gib=min_gib, min_memory_gb=min_gb)
         if why and mode == "auto":
             pytest.skip(f"gpu: {why}")
         if why and mode == "require":
@@ -203,10 +222,20 @@ class RlhfmemSession:
         return out
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        """Every budget file the collected tests' ``memory_budget`` reads by default is loaded now, before
-        the first iteration: a malformed one ends the session at once with one line (a usage error)."""
+        """Every collected ``gpu`` mark is read and every budget file the collected tests' ``memory_budget``
+        reads by default is loaded now, before the first iteration: a bad mark or a malformed file ends the
+        session at once with one line (a usage error)."""
         if self.is_xdist_worker:
             return
+        for item in session.items:  # a gpu mark with a bad keyword or value: one line, before anything runs
+            for mark in item.iter_markers("gpu"):
+                try:
+                    gpu_mark_args(mark)
+                except ValueError as exc:
+                    bad = f"{item.path}: {item.name}: {exc}"
+                else:
+                    continue
+                raise pytest.UsageError(bad)
         files = set()
         for item in session.items:
             if "memory_budget" in getattr(item, "fixturenames", ()):
@@ -397,10 +426,34 @@ class RlhfmemSession:
 _REQUIRE_FAIL = pytest.StashKey[str]()
 
 
-def _gpu_mark_args(mark: pytest.Mark) -> tuple[int, float | None]:
-    count = mark.kwargs.get("count", mark.args[0] if mark.args else 1)
-    min_gib = mark.kwargs.get("min_memory_gib", mark.args[1] if len(mark.args) > 1 else None)
-    return int(count), (float(min_gib) if min_gib is not None else None)
+GPU_MARK_KEYS = ("count", "min_memory_gb", "min_memory_gib")
+
+
+def gpu_mark_args(mark: pytest.Mark) -> tuple[int, float | None, float | None]:
+    """``(count, min_memory_gib, min_memory_gb)`` of a ``gpu`` mark: ``gpu(count=1, min_memory_gb=None)``,
+    or ``min_memory_gib`` (binary GiB) instead of ``min_memory_gb`` (GB as sold; see
+    :func:`~pytest_rlhfmem.hardware.gpu_shortfall`). Raises ``ValueError`` (one line naming the key and the
+    allowed ones) for an unknown keyword, a memory given by position (GB or GiB?), both memory keys, or a
+    count or memory that is not a positive number."""
+    unknown = [k for k in mark.kwargs if k not in GPU_MARK_KEYS]
+    if unknown:
+        raise ValueError(f"gpu mark: unknown keyword {unknown[0]!r}; allowed: count, min_memory_gb (GB as sold), "
+                         f"min_memory_gib (binary GiB)")
+    if len(mark.args) > 1:
+        raise ValueError(f"gpu mark: memory given by position ({mark.args[1]!r}); give it by keyword: "
+                         f"min_memory_gb (GB as sold) or min_memory_gib (binary GiB)")
+    if "min_memory_gb" in mark.kwargs and "min_memory_gib" in mark.kwargs:
+        raise ValueError("gpu mark: min_memory_gb and min_memory_gib both given; allowed: one of them")
+    values = {"count": mark.kwargs.get("count", mark.args[0] if mark.args else 1),
+              "min_memory_gb": mark.kwargs.get("min_memory_gb"), "min_memory_gib": mark.kwargs.get("min_memory_gib")}
+    for key, v in values.items():
+        ok = v is None and key != "count" or (
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and (key != "count" or v == int(v)))
+        if not ok:
+            kind = "an integer >= 1" if key == "count" else "a number > 0"
+            raise ValueError(f"gpu mark: {key}={v!r}; allowed: {kind}")
+    gib, gb = values["min_memory_gib"], values["min_memory_gb"]
+    return int(values["count"]), (float(gib) if gib is not None else None), (float(gb) if gb is not None else None)
 
 
 def summary_table(results: list[dict]) -> list[str]:
@@ -446,7 +499,8 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
     flush="none", world_size=2, device=None, algorithm="ppo", **overrides)`` runs ONE RLHF iteration (PPO,
     or ``remax`` / ``grpo``) in fresh worker processes (torchrun) and returns an :class:`IterationResult`.
     A crashed, hung or OOM run fails the test with the rank, phase and memory so far. Unknown names fail
-    with the list of valid ones."""
+    with the list of valid ones; a device that cannot run it (``cuda`` without a GPU; fewer CUDA devices
+    than ranks, under ``auto`` too) or a JIT op build that fails fails in one line before any rank starts."""
     from .rlhf.launch import run_scenario
     from .rlhf.scenario import Scenario, ScenarioError
     from .timing import run_rounds
@@ -491,7 +545,8 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
     budget entry by ``id``. ``world_size`` > 1 wraps a plain command in torchrun; ``timeout`` (seconds)
     defaults to ``--rlhfmem-timeout``; ``env`` adds environment variables. A crashed, hung or OOM rank
     fails the test with its rank, phase and memory so far; a command that cannot run (not found, exits
-    before its first allocation, never imports torch) fails the test naming the command."""
+    before its first allocation, never imports torch; a device without a CUDA device per rank) fails the test
+    in one line."""
     from .command.run import CommandError, run_command
     from .timing import run_rounds
 

@@ -55,9 +55,10 @@ def test_cuda_phase_stats_are_deltas_of_counters_and_peaks_since_reset():
                                                "ooms": 1}
 
 
-@pytest.mark.parametrize("available, count, world, expected", [(True, 4, 4, "cuda"), (True, 2, 4, "cpu"),
+@pytest.mark.parametrize("available, count, world, expected", [(True, 4, 4, "cuda"), (True, 0, 4, "cpu"),
                                                                 (False, 0, 1, "cpu")])
 def test_auto_device_takes_cuda_whenever_enough_devices(monkeypatch, available, count, world, expected):
+    """(Fewer devices than ranks is refused: tests/test_gpu_runner_devices.py.)"""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)

@@ -40,7 +40,7 @@ def test_help_lists_every_option_and_ini(pytester):
 
 def test_markers_lists_gpu(pytester):
     result = pytester.runpytest_subprocess("--markers")
-    result.stdout.fnmatch_lines(["@pytest.mark.gpu(count=1, min_memory_gib=None):*"])
+    result.stdout.fnmatch_lines(["@pytest.mark.gpu(count=1, min_memory_gb=None):*"])
 
 
 @pytest.mark.parametrize("gpus", [0, 1])

@@ -21,8 +21,10 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
     ws.add_argument("--nproc-per-node", type=int, default=None, help="same as --world-size (one node)")
     c.add_argument("--device", default="auto", choices=(*DEVICES, "cuda-sim"),
-                   help="auto = CUDA when enough devices, else CPU with the allocator model (simulated); "
-                        "cuda-sim = a CUDA script, unchanged, on the simulated CUDA device (no GPU; simulated)")
+                   help="auto = CUDA with one device per rank of this machine, CPU with the allocator model "
+                        "(simulated) when there is no CUDA device; fewer CUDA devices than ranks, or cuda without "
+                        "one, is refused before any rank starts; cuda-sim = a CUDA script, unchanged, on the "
+                        "simulated CUDA device (no GPU; simulated)")
     c.add_argument("--sdpa", default=None, choices=("math", "efficient"),
                    help="with --device cuda-sim: the kernel scaled_dot_product_attention runs (a GPU picks by dtype, "
                         "head size, mask and architecture): math (the score matrix; default) or efficient "

@@ -62,7 +62,13 @@ def start_command_capture() -> None:
 
         # CUDA state first (torch.cuda.init), on this rank's device: the caching allocator must exist
         # before memory history is switched on, and the context must not land on device 0 for every rank.
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+        # One device per rank (run.py refuses more ranks than devices before starting any): never two
+        # NCCL ranks on one GPU.
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"rlhfmem capture: local rank {local_rank} has no CUDA device of its own "
+                               f"({torch.cuda.device_count()} visible): run at most that many ranks per machine")
+        torch.cuda.set_device(local_rank)
         torch.cuda.init()
     description, extra = {}, None
     if device == "cuda-sim":  # the user's CUDA script on the simulated device: torch.cuda answered first

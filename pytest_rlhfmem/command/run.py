@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..rlhf.launch import DEFAULT_TIMEOUT_S, _worker_env, aggregate, resolve_device, run_process_group
+from ..rlhf.launch import DEFAULT_TIMEOUT_S, aggregate, command_env, resolve_device, run_process_group
+from ..rlhf.scenario import ScenarioError
 from . import rank as R
 
 BOOTSTRAP_DIR = Path(__file__).with_name("bootstrap")
@@ -89,8 +90,9 @@ def _torchrun_args_start(argv: list[str]) -> int:
     return 3 if _module_of(argv) in TORCHRUN_MODULES else 1
 
 
-def _torchrun_nproc(argv: list[str]) -> int | None:
-    """The ``--nproc-per-node`` of a torchrun line (times ``--nnodes`` when a fixed integer)."""
+def _torchrun_nproc(argv: list[str], per_node: bool = False) -> int | None:
+    """The ``--nproc-per-node`` of a torchrun line (times ``--nnodes`` when a fixed integer, unless
+    ``per_node``: the ranks of this machine)."""
     nproc, nnodes = None, 1
     for i, a in enumerate(argv):
         key, _, val = a.partition("=")
@@ -100,7 +102,9 @@ def _torchrun_nproc(argv: list[str]) -> int | None:
                 nnodes = int(val) if val.isdigit() else 1
             elif val.isdigit():
                 nproc = int(val)
-    return nproc * nnodes if nproc is not None else None
+    if nproc is None:
+        return None
+    return nproc if per_node else nproc * nnodes
 
 
 TORCHRUN_FLAGS = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")  # take no value
@@ -207,7 +211,11 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if not id or not isinstance(id, str):
         raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
     argv, n, is_torchrun = plan_command(command, world_size, nproc_per_node)
-    device = device if device == SIM_DEVICE else resolve_device(device, n)
+    if device != SIM_DEVICE:  # one CUDA device per rank of this machine: refused here, before any rank starts
+        try:
+            device = resolve_device(device, (_torchrun_nproc(argv, per_node=True) or n) if is_torchrun else n)
+        except ScenarioError as exc:
+            raise CommandError(str(exc)) from None
     if cuda_emulation not in ("on", "off"):
         raise CommandError(f"cuda_emulation {cuda_emulation!r}: allowed values are on, off")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
@@ -224,9 +232,8 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002
             timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None) -> dict:
     t0 = time.perf_counter()
-    run_env = _worker_env("cpu" if device == SIM_DEVICE else device, 1)  # CPU: CUDA hidden; hubs offline
-    if "OMP_NUM_THREADS" not in os.environ:  # the user's thread settings stand (torchrun sets its own)
-        run_env.pop("OMP_NUM_THREADS")
+    # the user's environment as it is (hubs online, their thread settings); on CPU CUDA hidden
+    run_env = command_env("cpu" if device == SIM_DEVICE else device)
     run_env.update(env or {})
     if is_torchrun:  # torchrun sets these per worker; inherited ones would make its agent look like a rank
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):

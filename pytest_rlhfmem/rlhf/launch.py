@@ -11,14 +11,18 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..hardware import cuda_device_count
 from ..hostcpu import fp16_answer
 from ..memory.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
@@ -27,15 +31,47 @@ from .scenario import DEVICES, Scenario, ScenarioError
 DEFAULT_TIMEOUT_S = 900.0
 
 
-def resolve_device(device: str, world_size: int) -> str:
-    """``auto`` -> ``cuda`` when at least ``world_size`` CUDA devices are visible, else ``cpu``."""
+def resolve_device(device: str, ranks: int, device_count: int | None = None) -> str:
+    """Where ``ranks`` processes on this machine run, one CUDA device each (torchrun's ``LOCAL_RANK`` is the
+    device index): ``cuda`` or ``cpu``.
+
+    ``auto`` -> ``cuda`` when at least ``ranks`` CUDA devices are visible, ``cpu`` (the allocator model,
+    simulated figures) when there is none. ``device_count``: the visible CUDA devices (default
+    :func:`~pytest_rlhfmem.hardware.cuda_device_count`). Raises :class:`ScenarioError`, one line naming the
+    device, the ranks, the devices found and what to do, before any rank starts: for an unknown device; for
+    ``cuda`` without a CUDA device; for ``cuda`` or ``auto`` with CUDA devices but fewer than ``ranks`` (a rank
+    would ask for a device that is not there; ``auto`` would run the CPU route, against ``baselines/cpu``, on a
+    machine whose GPUs were meant to run it)."""
     if device not in DEVICES:
         raise ScenarioError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
-    if device != "auto":
+    if device == "cpu":
         return device
-    import torch
+    found = cuda_device_count() if device_count is None else device_count
+    if device == "cuda" and found == 0:
+        raise ScenarioError(f"device cuda: {no_cuda_device()}")
+    if found == 0:
+        return "cpu"
+    if found < ranks:
+        raise ScenarioError(f"device {device}: {ranks} ranks on this machine need {ranks} CUDA devices (one per "
+                            f"rank), found {found}: give a world size of at most {found}, or device cpu (figures "
+                            f"simulated by the allocator model)")
+    return "cuda"
 
-    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+
+def no_cuda_device() -> str:
+    """Why device ``cuda`` cannot run here, in one line: no CUDA device (a CPU build of torch, or no visible
+    GPU), and what to do instead."""
+    try:
+        import torch
+    except ImportError:
+        why = "torch is not installed"
+    else:
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else
+               "torch.cuda.is_available() is False" + (f"; CUDA_VISIBLE_DEVICES={hidden!r}" if hidden is not None
+                                                       else ""))
+    return (f"no CUDA device here ({why}); run on device cpu (figures simulated by the allocator model) or on a "
+            f"machine with a GPU")
 
 
 def require_libaio() -> None:
@@ -50,41 +86,88 @@ def require_libaio() -> None:
                             "libaio-devel) and run again")
 
 
-def prebuild_ops(device: str, offload: bool | str, framework: str = "deepspeed-chat") -> None:
-    """Build DeepSpeed's JIT ops (and, on CPU, the allocation recorder) once, under a file lock, before
-    ranks start: two ranks building the same op at once race. Cached in torch's extension directory;
-    a warm call takes about a second."""
+def jit_ops(scenario: Scenario, device: str) -> list[str]:
+    """DeepSpeed's op builders (``deepspeed/ops/op_builder``) the ranks of ``scenario`` on ``device`` would
+    JIT-build: on CPU ``ShareMemCommBuilder`` (the CPU accelerator's collectives); under offload
+    ``CPUAdamBuilder`` (DeepSpeedCPUAdam), else on CUDA ``FusedAdamBuilder`` (FusedAdam): DeepSpeed-Chat's
+    step-3 ``main.py`` takes ``DeepSpeedCPUAdam if args.offload else FusedAdam`` (``builders.make_optimizer``);
+    ``AsyncIOBuilder`` for NVMe; on CUDA ``InferenceBuilder`` (``transformer_inference``) when the actor is a
+    Hybrid Engine, whose ``WorkspaceOp`` loads it even when no layer is injected
+    (``runtime/hybrid_engine.py``, ``ops/transformer/inference/op_binding/base.py``). None for ColossalChat."""
+    if scenario.framework != "deepspeed-chat":
+        return []
+    from .deepspeed_chat.configs import STRATEGY_SETTINGS, ppo_setting
+
+    offload = STRATEGY_SETTINGS[scenario.strategy][1]
+    ops = ["ShareMemCommBuilder"] if device == "cpu" else []
+    ops += ["CPUAdamBuilder"] if offload else ["FusedAdamBuilder"] if device == "cuda" else []
+    ops += ["AsyncIOBuilder"] if offload == "nvme" else []
+    if (device == "cuda" and scenario.algorithm == "ppo" and scenario.strategy != "hydra"
+            and ppo_setting(scenario, "hybrid_engine")):
+        ops.append("InferenceBuilder")
+    return ops
+
+
+RECORDER_OP = "the CPU allocation recorder"  # memory/cpu_recorder.py, JIT-built with the ops on CPU
+_BUILDING = "rlhfmem: building "  # the build script's line before each op: says which one failed
+
+
+def prebuild_ops(device: str, ops: list[str]) -> float:
+    """Build DeepSpeed's JIT ops ``ops`` (:func:`jit_ops`; and, on CPU, the allocation recorder) once, under
+    a file lock, in a child process, before ranks start: two ranks building the same op at once race.
+    Cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``); a warm call takes about a second.
+
+    Returns the seconds the builds took (the lock's wait excluded): a first build of FusedAdam or
+    ``transformer_inference`` on CUDA takes minutes. Raises :class:`ScenarioError`, one line naming the op, the
+    last line of its error and what it needs (on CUDA: nvcc, ``CUDA_HOME``; pip's torch brings neither), when a
+    build fails or runs past 30 minutes."""
     from filelock import FileLock
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
-    builders = ((["ShareMemCommBuilder"] if device == "cpu" else []) + (["CPUAdamBuilder"] if offload else [])
-                + (["AsyncIOBuilder"] if offload == "nvme" else []))
-    if framework != "deepspeed-chat":
-        builders = []
-    if not builders and device != "cpu":
-        return
-    code = ""
-    if builders:
-        code = ("from deepspeed.accelerator import get_accelerator\n"
-                f"for b in {builders!r}:\n"
-                "    ob = get_accelerator().create_op_builder(b)\n"
-                "    ob = None if type(ob).__name__ == \"NotImplementedBuilder\" else ob\n"
-                "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
+    if not ops and device != "cpu":
+        return 0.0
+    code = "import sys\n"
+    if ops:
+        code += ("from deepspeed.accelerator import get_accelerator\n"
+                 f"for b in {ops!r}:\n"
+                 f"    print({_BUILDING!r} + b, file=sys.stderr, flush=True)\n"
+                 "    ob = get_accelerator().create_op_builder(b)\n"
+                 "    ob = None if type(ob).__name__ == \"NotImplementedBuilder\" else ob\n"
+                 "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
     if device == "cpu":
-        code += "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nload_recorder()\n"
+        code += (f"print({_BUILDING + RECORDER_OP!r}, file=sys.stderr, flush=True)\n"
+                 "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nload_recorder()\n")
     with FileLock(str(cache / "ds-ops.lock")):
-        subprocess.run([sys.executable, "-c", code], env=_worker_env(device, 1), check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1800)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], env=_worker_env(device, 1), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, timeout=1800)
+        except subprocess.TimeoutExpired:
+            raise ScenarioError(f"building DeepSpeed's ops {', '.join(ops)} ran past 30 minutes") from None
+        seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise ScenarioError(op_build_failure(proc.stderr.decode(errors="replace"), device))
+    return seconds
 
 
-def _worker_env(device: str, threads: int) -> dict:
+def op_build_failure(stderr: str, device: str) -> str:
+    """The one line of a failed JIT build, from the build script's ``stderr``: which op (the last
+    ``rlhfmem: building OP`` line), the last line of its error, and what the build needs."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    op = next((ln[len(_BUILDING):] for ln in reversed(lines) if ln.startswith(_BUILDING)), "an op")
+    last = next((ln for ln in reversed(lines) if not ln.startswith(_BUILDING)), "no error output")[:300].rstrip(".")
+    needs = ("needs nvcc: set CUDA_HOME / install the CUDA toolkit (pip's torch brings neither)" if device == "cuda"
+             else "needs a C++ compiler (c++, or $CXX) and ninja")
+    what = RECORDER_OP if op == RECORDER_OP else f"DeepSpeed's {op}"
+    return f"building {what} (JIT, before the ranks start) failed: {last}; {needs}"
+
+
+def command_env(device: str) -> dict:
+    """The environment of a run's processes, this one's plus what the device needs: on CPU DeepSpeed's CPU
+    accelerator and no visible CUDA device. A user's command (``rlhfmem capture``) runs in it as it is."""
     env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -92,14 +175,28 @@ def _worker_env(device: str, threads: int) -> dict:
     return env
 
 
+def _worker_env(device: str, threads: int) -> dict:
+    """The recipes' ranks: :func:`command_env` with ``threads`` OpenMP threads and the hubs offline (the
+    recipes build their models from configs with random weights: nothing to download)."""
+    env = command_env(device)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    return env
+
+
 def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
-                 capture: bool = True, cuda_emulation: str = "on") -> dict:
+                 capture: bool = True, cuda_emulation: str = "on", nodes: Nodes | None = None) -> dict:
     """Run ``scenario`` once; returns the scenario result (see :func:`aggregate`). Never raises for a
     failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why.
     Raises :class:`ScenarioError` before launching for a scenario this device cannot run.
     ``capture=False`` runs the bare iteration (timed, nothing recorded): the capture-overhead baseline.
-    ``cuda_emulation`` (``on``/``off``): the CPU capture's CUDA emulation (``memory/emulation.py``)."""
+    ``cuda_emulation`` (``on``/``off``): the CPU capture's CUDA emulation (``memory/emulation.py``).
+    ``nodes``: torchrun's multi-node options (:class:`Nodes`; docs/multi-node.md). With ``nnodes`` > 1 this call
+    is one node's agent: ``work_dir`` must be shared by every node; node rank 0 waits for the other agents and
+    returns the scenario result, any other node its own agent's outcome (``role: agent``, no figures)."""
     from .colossalchat import CPU_STRATEGIES
     from .deepspeed_chat import STRATEGY_SETTINGS
 
@@ -108,7 +205,7 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         fp16_answer()
     except ValueError as exc:
         raise ScenarioError(str(exc)) from None
-    device = resolve_device(device, scenario.world_size)
+    device = resolve_device(device, (nodes or Nodes()).local_world_size(scenario.world_size))  # GPUs of this node
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
                             f"and Gemini plugins assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")
@@ -119,13 +216,16 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
                             f"run on {device}")
     if scenario.framework == "deepspeed-chat" and STRATEGY_SETTINGS.get(scenario.strategy, (0, False))[1] == "nvme":
         require_libaio()
+    nodes = nodes or Nodes()
+    nodes.check(scenario.world_size, work_dir)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-"))
     work.mkdir(parents=True, exist_ok=True)
-    offload = STRATEGY_SETTINGS.get(scenario.strategy, (0, False, False))[1]
+    if nodes.multi_node:
+        _check_fresh_work(work, nodes)
     t0 = time.perf_counter()
-    prebuild_ops(device, offload and scenario.framework == "deepspeed-chat", scenario.framework)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={scenario.world_size}", "--max-restarts=0", "--monitor-interval=0.5",
+    op_build_s = round(prebuild_ops(device, jit_ops(scenario, device)), 3)  # kept in the result: JIT builds' time
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(scenario.world_size),
+           "--max-restarts=0", "--monitor-interval=0.5",
            "-m", "pytest_rlhfmem.rlhf.worker", "--scenario", json.dumps(scenario.to_dict()),
            "--out-dir", str(work), "--device", device]
     if snapshot_dir:
@@ -134,9 +234,18 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         cmd.append("--no-capture")
     cmd += ["--cuda-emulation", cuda_emulation]
     log_path = work / "launcher.log"
-    returncode, timed_out = run_process_group(cmd, log_path, _worker_env(device, scenario.get("threads", 1)),
-                                              timeout, work)
-    return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
+    env = _worker_env(device, scenario.get("threads", 1))
+    if not nodes.multi_node:
+        returncode, timed_out = run_process_group(cmd, log_path, env, timeout, work)
+        return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,
+                         log_path) | {"op_build_s": op_build_s}
+    deadline = time.monotonic() + timeout + 30.0  # another agent's own timeout, its SIGTERM grace and report
+    returncode, timed_out = _run_agent(cmd, env, timeout, work, nodes)
+    if nodes.node_rank != 0:
+        return _agent_result(scenario, device, nodes, returncode, timed_out, work) | {"op_build_s": op_build_s}
+    agents = _await_agents(work, nodes, scenario.world_size, deadline)
+    return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,
+                     work / "node0" / "launcher.log", agents=agents, nodes=nodes) | {"op_build_s": op_build_s}
 
 
 def finish_work(result: dict, keep: bool = False) -> Path | None:
@@ -210,14 +319,17 @@ def _kill_leftover_workers(work: Path) -> None:
             pass
 
 
-def _exit_status_failure(ranks: list[dict], returncode: int | None, log_path: Path) -> dict:
+def _exit_status_failure(ranks: list[dict], returncode: int | None, logs: list[Path]) -> dict:
     """Every rank wrote its result without an exception, yet the command's exit status is non-zero
     (``sys.exit(3)``, an exit code set by a library): name the rank torchrun reports as the root cause
     (its ``rank : R (local_rank: L)`` line), else the only rank, with its phase at exit and its peaks."""
     rank = ranks[0]["rank"] if len(ranks) == 1 else None
-    if rank is None and log_path.exists():
-        m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", log_path.read_text(errors="replace"), re.S)
-        rank = int(m.group(1)) if m else None
+    for log_path in logs if rank is None else ():  # one log per node's agent
+        m = log_path.exists() and re.search(r"Root Cause.*?rank\s*:\s*(\d+)", log_path.read_text(errors="replace"),
+                                            re.S)
+        if m:
+            rank = int(m.group(1))
+            break
     res = next((r for r in ranks if r["rank"] == rank), ranks[0])
     return {"rank": rank, "phase": res.get("exit_phase"), "error": "ExitStatus",
             "message": f"exited with code {returncode} with no uncaught exception (sys.exit or an exit status "
@@ -227,9 +339,24 @@ def _exit_status_failure(ranks: list[dict], returncode: int | None, log_path: Pa
 
 
 def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | None, timed_out: bool,
-              timeout: float, wall_s: float, log_path: Path) -> dict:
+              timeout: float, wall_s: float, log_path: Path, agents: dict[int, dict | None] | None = None,
+              nodes: Nodes | None = None) -> dict:
     """The scenario result: per metric the maximum over ranks (the budget is per GPU), per phase too,
-    plus every rank's own result. ``status`` is ``ok`` only if every rank finished."""
+    plus every rank's own result. ``status`` is ``ok`` only if every rank finished.
+
+    A multi-node run (``nodes``): ``work`` is the shared directory holding every node's ranks, ``agents`` the
+    other nodes' agent reports (:func:`_await_agents`; ``None`` for one that sent none); the run failed if any
+    agent did, and the failures of every node are ordered by their time as one run's."""
+    agents = agents or {}
+    logs = [log_path] + [Path(a["log"]) for _, a in sorted(agents.items()) if a and a.get("log")]
+    silent = sorted(n for n, a in agents.items() if a is None)  # agents that sent no report
+    if returncode == 0 and not timed_out:  # this node's agent was fine: another node's outcome decides
+        bad = [a for a in agents.values() if a and (a["returncode"] != 0 or a["timed_out"])]
+        returncode, timed_out = (bad[0]["returncode"], bad[0]["timed_out"]) if bad else (returncode, timed_out)
+    launchers = ""
+    if nodes is not None:
+        codes = {nodes.node_rank: returncode} | {n: (a["returncode"] if a else "no report") for n, a in agents.items()}
+        launchers = " (agents' exit codes: " + ", ".join(f"node {n}: {c}" for n, c in sorted(codes.items())) + ")"
     ranks, failures = [], []
     for r in range(scenario.world_size):
         res_p, prog_p = work / f"result-rank{r}.json", work / f"progress-rank{r}.json"
@@ -245,15 +372,19 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         else:
             prog = json.loads(prog_p.read_text()) if prog_p.exists() else {}
             why = (f"hung: no result after the {timeout:g} s timeout; the process group was killed" if timed_out
-                   else f"exited without a result (launcher exit code {returncode})")
+                   else f"exited without a result (launcher exit code {returncode}){launchers}")
             failures.append({"rank": r, "phase": prog.get("phase", "startup"),
                              "error": "Hang" if timed_out else "Crash", "message": why,
                              "memory_so_far": {"host_rss": prog.get("host_rss")}})
     if ranks and not failures and returncode != 0 and not timed_out and len(ranks) == scenario.world_size:
-        failures.append(_exit_status_failure(ranks, returncode, log_path))
+        failures.append(_exit_status_failure(ranks, returncode, logs))
+    if silent and not failures:  # every rank finished, yet an agent never said how it ended
+        failures.append({"rank": None, "phase": None, "error": "NoReport",
+                         "message": f"node {silent[0]}'s agent wrote no report (node{silent[0]}/agent.json in "
+                                    f"{work}) before the deadline{launchers}"})
     # The root cause first: the earliest exception; ranks that died without a result (killed by torchrun
     # after another rank failed, or hung) last. A peer's "connection reset" comes after the cause.
-    failures.sort(key=lambda f: (f.get("time") is None, f.get("time") or 0.0, f["rank"]))
+    failures.sort(key=lambda f: (f.get("time") is None, f.get("time") or 0.0, f["rank"] is None, f["rank"] or 0))
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)
@@ -268,8 +399,8 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         phases[name] = {m: max((p.get(m) or 0) for p in per) for m in names + ("wall_s",)}
     peak_rank = max(ranks, key=lambda r: r["total"]["peak_reserved"]) if ranks else {}
     log_tail = ""
-    if not ok and log_path.exists():
-        log_tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+    if not ok:  # each node's agent's log, the first node's first
+        log_tail = "\n".join(p.read_bytes()[-3000:].decode(errors="replace") for p in logs if p.exists())
     return {
         "schema": 1,
         "scenario": scenario.to_dict(),
@@ -296,4 +427,171 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "ranks": ranks,
         "work_dir": str(work),
         "log_tail": log_tail,
+        **({"nodes": nodes.describe() | {"agents": {nodes.node_rank: {"returncode": returncode}} | agents}}
+           if nodes is not None else {}),
     }
+
+
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")  # torch/distributed/elastic/rendezvous/registry.py
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """torchrun's multi-node options (``torch/distributed/run.py``, torch 2.13), passed through to the agent
+    this call starts: one agent per node, each starting ``nproc_per_node`` ranks, ``nnodes x nproc_per_node``
+    ranks in all (the scenario's world size). The default, one node with no rendezvous option, launches
+    ``torchrun --standalone``.
+
+    ``nnodes``: a fixed node count (an elastic ``MIN:MAX`` range gives no fixed world size). ``node_rank``: this
+    agent's node, ``0 .. nnodes - 1``; torchrun uses it with the ``static`` backend (global rank = node rank x
+    nproc-per-node + local rank), ``c10d`` orders the nodes itself (as they join). Here it also says which
+    agent aggregates: node rank 0 waits for every node's agent and writes the result. ``rdzv_*``,
+    ``master_addr``, ``master_port``, ``local_addr``: torchrun's options of the same names, unchanged."""
+
+    nnodes: int = 1
+    nproc_per_node: int | None = None  # None: world size / nnodes
+    node_rank: int = 0
+    rdzv_backend: str | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
+
+    @classmethod
+    def parse(cls, nnodes: str | int | None = None, nproc_per_node: str | int | None = None, **options) -> Nodes:
+        """From the command line's strings; raises :class:`ScenarioError` (one line naming the option and its
+        allowed values) for an elastic range, ``auto``/``gpu``, a non-positive count or an unknown backend."""
+        def count(name: str, value: str | int | None) -> int | None:
+            if value is None:
+                return None
+            try:
+                n = int(value)
+            except ValueError:
+                n = 0
+            if n < 1:
+                raise ScenarioError(f"--{name} {value!r}: a fixed count, an integer >= 1, is needed (an elastic "
+                                    f"MIN:MAX range, auto, cpu or gpu give no fixed world size for the scenario)")
+            return n
+
+        nodes = cls(nnodes=count("nnodes", nnodes) or 1, nproc_per_node=count("nproc-per-node", nproc_per_node),
+                    **{k: v for k, v in options.items() if v is not None})
+        if nodes.rdzv_backend is not None and nodes.rdzv_backend not in RDZV_BACKENDS:
+            raise ScenarioError(f"--rdzv-backend {nodes.rdzv_backend!r}: one of {', '.join(RDZV_BACKENDS)}")
+        return nodes
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    def local_world_size(self, world_size: int) -> int:
+        """The ranks this node's agent starts (its GPUs to find): ``nproc_per_node``, else ``world_size /
+        nnodes``."""
+        return self.nproc_per_node or max(1, world_size // self.nnodes)
+
+    def check(self, world_size: int, work_dir: str | Path | None) -> None:
+        """Before launching: raises :class:`ScenarioError` (one line) when ``nnodes x nproc_per_node`` is not
+        ``world_size``, the node rank is out of range, a multi-node run has no shared ``work_dir``, or a
+        rendezvous backend other than ``static`` has no endpoint."""
+        per_node, rest = divmod(world_size, self.nnodes)
+        nproc = self.nproc_per_node or (per_node if not rest else None)
+        if nproc is None or nproc * self.nnodes != world_size:
+            raise ScenarioError(f"--nnodes {self.nnodes} x --nproc-per-node {self.nproc_per_node or '?'} ranks do not "
+                                f"make the scenario's world size {world_size}: give --world-size = nnodes x "
+                                f"nproc-per-node")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ScenarioError(f"--node-rank {self.node_rank}: one of 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.multi_node and not work_dir:
+            raise ScenarioError(f"--nnodes {self.nnodes} needs --work-dir: a directory every node shares (each rank "
+                                f"writes its result there; the node-rank-0 agent reads them all)")
+        if self.multi_node and (self.rdzv_backend or "static") != "static" and not self.rdzv_endpoint:
+            raise ScenarioError(f"--rdzv-backend {self.rdzv_backend} needs --rdzv-endpoint HOST:PORT (the same on "
+                                f"every node)")
+
+    def torchrun_args(self, world_size: int) -> list[str]:
+        """torchrun's node and rendezvous options: ``--standalone`` for one node without a rendezvous option,
+        else every option given, under torchrun's own names."""
+        nproc = self.local_world_size(world_size)
+        given = {"rdzv-backend": self.rdzv_backend, "rdzv-endpoint": self.rdzv_endpoint, "rdzv-id": self.rdzv_id,
+                 "rdzv-conf": self.rdzv_conf, "master-addr": self.master_addr, "master-port": self.master_port,
+                 "local-addr": self.local_addr}
+        if (self.rdzv_backend or "static") == "static" and self.multi_node:
+            given["node-rank"] = self.node_rank  # c10d and etcd order the nodes themselves (and warn of it)
+        given = {k: v for k, v in given.items() if v is not None}
+        if not self.multi_node and not given:
+            return ["--standalone", f"--nproc-per-node={nproc}"]
+        return [f"--nnodes={self.nnodes}", f"--nproc-per-node={nproc}"] + [f"--{k}={v}" for k, v in given.items()]
+
+    def describe(self) -> dict:
+        """The options as the result records them (``result["nodes"]``)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _check_fresh_work(work: Path, nodes: Nodes) -> None:
+    """A multi-node run's shared work directory must hold no other run's rank files: the node-rank-0 agent
+    would read them as this run's. Raises :class:`ScenarioError` naming one."""
+    stale = sorted([*work.glob("result-rank*.json"), *work.glob("progress-rank*.json"), *work.glob("node*/agent.json")])
+    if stale:
+        raise ScenarioError(f"--work-dir {work}: holds another run's files ({stale[0].relative_to(work)}); give each "
+                            f"multi-node run an empty directory that every node shares")
+
+
+def _run_agent(cmd: list[str], env: dict[str, str], timeout: float, work: Path, nodes: Nodes) -> tuple[int, bool]:
+    """One node's torchrun agent of a multi-node run: its log and, once it exits, its report
+    (``node<R>/agent.json``: exit code, timed out, host) in the shared ``work``. Only this agent's own workers
+    are killed afterwards (those whose environment carries its token): the progress files name the pids of
+    every node's ranks, and a pid means nothing on another host."""
+    agent_dir = work / f"node{nodes.node_rank}"
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(env, RLHFMEM_AGENT_TOKEN=secrets.token_hex(8))
+    returncode, timed_out = run_process_group(cmd, agent_dir / "launcher.log", env, timeout, agent_dir)
+    marker = f"RLHFMEM_AGENT_TOKEN={env['RLHFMEM_AGENT_TOKEN']}".encode()
+    for p in work.glob("progress-rank*.json"):
+        try:
+            pid = json.loads(p.read_text())["pid"]
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.killpg(pid, signal.SIGKILL)
+        except (ValueError, KeyError, OSError):
+            pass
+    report = {"node_rank": nodes.node_rank, "returncode": returncode, "timed_out": timed_out,
+              "host": socket.gethostname(), "log": str(agent_dir / "launcher.log")}
+    tmp = agent_dir / "agent.json.tmp"
+    tmp.write_text(json.dumps(report))
+    tmp.replace(agent_dir / "agent.json")
+    return returncode, timed_out
+
+
+def _await_agents(work: Path, nodes: Nodes, world_size: int, deadline: float, grace: float = 30.0) -> dict:
+    """Node rank 0, after its own agent exited: every other node's report (``node<R>/agent.json``), or
+    ``None`` for a node that sent none by ``deadline`` (``time.monotonic()``). Once every rank has a result, or
+    none ever started, waits at most ``grace`` seconds more. Returns ``{node_rank: report or None}``."""
+    others = [n for n in range(nodes.nnodes) if n != nodes.node_rank]
+    t_grace = time.monotonic() + grace
+    while True:
+        reports = {n: work / f"node{n}" / "agent.json" for n in others}
+        if all(p.exists() for p in reports.values()):
+            break
+        ranks_done = all((work / f"result-rank{r}.json").exists() for r in range(world_size))
+        never_started = not any(work.glob("progress-rank*.json"))
+        if time.monotonic() > deadline or ((ranks_done or never_started) and time.monotonic() > t_grace):
+            break
+        time.sleep(0.2)
+    return {n: (json.loads(p.read_text()) if p.exists() else None) for n, p in reports.items()}
+
+
+def _agent_result(scenario: Scenario, device: str, nodes: Nodes, returncode: int, timed_out: bool,
+                  work: Path) -> dict:
+    """What an agent of node rank > 0 returns: its own launcher's outcome; the scenario's figures are in the
+    node-rank-0 agent's result. ``work_dir`` is ``None``: the shared directory is node rank 0's to remove."""
+    ok = returncode == 0 and not timed_out
+    log = work / f"node{nodes.node_rank}" / "launcher.log"
+    return {"schema": 1, "scenario": scenario.to_dict(), "scenario_id": scenario.id, "role": "agent",
+            "status": "ok" if ok else "failed", "device": device, "simulated": device == "cpu",
+            "world_size": scenario.world_size, "nodes": nodes.describe(),
+            "failure": None if ok else {"rank": None, "phase": None, "error": "Hang" if timed_out else "LaunchError",
+                                        "message": f"node rank {nodes.node_rank}'s agent: launcher exit code "
+                                                   f"{returncode}; the node-rank-0 agent's result names the rank "
+                                                   f"that failed first"},
+            "failures": [], "work_dir": None, "shared_work_dir": str(work),
+            "log_tail": "" if ok or not log.exists() else log.read_bytes()[-3000:].decode(errors="replace")}

@@ -125,7 +125,7 @@ def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train
     actor = create_hf_model(pair.actor, train_cfg, scenario.get("actor_path"), dtype, actor_dropout)
     if lora_dim > 0:
         actor = convert_to_lora(actor, pair, lora_dim, only_lora)
-    with refuse_inference_kernels_on_cpu(device):
+    with refuse_inference_kernels(device, allowed=bool(scenario.get("hybrid_engine_kernels"))):
         actor_engine, *_ = deepspeed.initialize(model=actor, optimizer=make_optimizer(actor, offload, device),
                                                 config=train_cfg)
     rec.host_resident(offloaded_tensors(actor_engine, offload))
@@ -135,28 +135,41 @@ def init_actor_and_ref(scenario: Scenario, pair: ModelPair, rec: Recorder, train
     return actor_engine, ref_engine
 
 
-HYBRID_ENGINE_KERNELS_ON_CPU = (
-    "DeepSpeed's Hybrid Engine is replacing {layer} with its inference kernels (DeepSpeed 0.19.8 does so for an "
-    "OPT decoder layer whose forward takes neither cache_position nor past_key_values, as transformers 5.24's "
-    "does), and DeepSpeed's CPU accelerator has none: install the pinned dependency set (constraints/deepspeed.txt) "
-    "or run on a GPU")
+HYBRID_ENGINE_INFERENCE_KERNELS = (
+    "DeepSpeed's Hybrid Engine is replacing {layer} with its inference kernels: DeepSpeed {deepspeed} does so with "
+    "transformers {transformers}, whose OPT decoder layer's forward takes neither cache_position nor "
+    "past_key_values (5.24 renamed it cache); {route}. Install the pinned dependency set (constraints/deepspeed.txt: "
+    "transformers 5.23, whose layer DeepSpeed keeps native)")
+_ROUTES = {
+    "cpu": "DeepSpeed's CPU accelerator has no such kernels",
+    "cuda": "the budgets were recorded with the native layer, and these kernels (the transformer_inference op, "
+            "JIT-built) run other code and allocate other memory",
+}
 
 
 @contextlib.contextmanager
-def refuse_inference_kernels_on_cpu(device: str) -> Iterator[None]:
-    """While DeepSpeed builds the actor's engine on CPU: the Hybrid Engine injecting a layer
-    (``DeepSpeedHybridEngine.new_inference_container``, ``runtime/hybrid_engine.py``) raises
-    ``NotImplementedError`` naming the layer and the way out, instead of DeepSpeed's ``This op had not been
-    implemented on CPU backend`` from deep inside the injection. On other devices nothing changes."""
-    if device != "cpu":
+def refuse_inference_kernels(device: str, allowed: bool = False) -> Iterator[None]:
+    """While DeepSpeed builds the actor's engine: the Hybrid Engine injecting a layer
+    (``DeepSpeedHybridEngine.new_inference_container``, ``runtime/hybrid_engine.py``, reached from
+    ``populate_all_inference_policies`` when a newer transformers changes OPT's decoder layer) raises
+    ``NotImplementedError``, one line naming the layer, the installed DeepSpeed and transformers versions and
+    ``constraints/deepspeed.txt``, on every route (``device`` ``cpu`` or ``cuda``): on CPU instead of
+    DeepSpeed's ``This op had not been implemented on CPU backend`` from deep inside the injection; on a GPU
+    instead of an iteration that runs other kernels than its budgets assume. ``allowed``: the fake-CUDA route's
+    ``hybrid_engine_kernels`` override, which injects them on purpose (``fakecuda/inference_kernels.py``)."""
+    if allowed:
         yield
         return
+    import deepspeed
+    import transformers
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
     original = DeepSpeedHybridEngine.new_inference_container
 
     def refuse(self: Any, orig_layer: Any, policy_cls: Any, layer_id: int) -> Any:
-        raise NotImplementedError(HYBRID_ENGINE_KERNELS_ON_CPU.format(layer=type(orig_layer).__name__))
+        raise NotImplementedError(HYBRID_ENGINE_INFERENCE_KERNELS.format(
+            layer=type(orig_layer).__name__, deepspeed=deepspeed.__version__, transformers=transformers.__version__,
+            route=_ROUTES.get(device, _ROUTES["cuda"])))
 
     DeepSpeedHybridEngine.new_inference_container = refuse
     try:

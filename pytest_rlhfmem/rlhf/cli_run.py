@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ..memory.host import format_rss
 from ..units import format_size
 from .scenario import ALGORITHMS, DEVICES, FLUSH_POLICIES, FRAMEWORKS
+
+if TYPE_CHECKING:
+    from .launch import Nodes
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +21,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--flush", default="none", help=f"one of: {', '.join(FLUSH_POLICIES)}")
     r.add_argument("--algorithm", default="ppo", help=f"one of: {', '.join(ALGORITHMS)}")
     r.add_argument("--group-size", type=int, default=None, help="GRPO: samples per prompt (>= 2)")
-    r.add_argument("--world-size", type=int, default=2)
+    r.add_argument("--world-size", type=int, default=None,
+                   help="ranks in all (default: --nnodes x --nproc-per-node when given, else 2)")
     r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
     r.add_argument("--batch-size", type=int, default=None)
     r.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
@@ -26,9 +31,48 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
+    r.add_argument("--work-dir", default=None, help="the ranks' files go here (default: a new temporary directory; "
+                                                   "removed after a run that succeeded, as --keep-work says); with "
+                                                   "--nnodes > 1 an empty directory every node shares")
+    add_node_arguments(r)
     add_measurement_arguments(r)
     add_keep_work_argument(r)
     r.set_defaults(func=_run)
+
+
+NODE_OPTIONS = ("nnodes", "nproc_per_node", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+                "master_addr", "master_port", "local_addr")
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """torchrun's multi-node options (``torch/distributed/run.py``), under its names, passed through to the one
+    torchrun agent this command starts on this node (docs/multi-node.md)."""
+    g = p.add_argument_group("multi-node (torchrun's options, passed through; docs/multi-node.md)")
+    g.add_argument("--nnodes", default=None, help="nodes, one agent each (a fixed count: no MIN:MAX range)")
+    g.add_argument("--nproc-per-node", default=None, help="ranks per node (default: world size / nnodes)")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="this node, 0..nnodes-1; node rank 0 waits for every rank and prints and writes the result")
+    g.add_argument("--rdzv-backend", default=None, help="static (torchrun's default), c10d, etcd, etcd-v2")
+    g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the same on every node")
+    g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every node")
+    g.add_argument("--rdzv-conf", default=None, metavar="K=V,...")
+    g.add_argument("--master-addr", default=None, help="static rendezvous: node rank 0's address")
+    g.add_argument("--master-port", type=int, default=None, help="static rendezvous: node rank 0's port")
+    g.add_argument("--local-addr", default=None, help="this node's address, as the others reach it")
+
+
+def nodes_from_args(args: argparse.Namespace) -> tuple[Nodes, int]:
+    """The :class:`~.launch.Nodes` of ``rlhfmem run``'s options and the world size they make with
+    ``--world-size`` (default: nnodes x nproc-per-node, else 2). Raises :class:`ScenarioError` (one line) for
+    an option torchrun would not take here."""
+    from .launch import Nodes
+
+    nodes = Nodes.parse(**{k: getattr(args, k) for k in NODE_OPTIONS})
+    if args.world_size is not None:
+        return nodes, args.world_size
+    world_size = (nodes.nnodes * nodes.nproc_per_node if nodes.nproc_per_node else
+                  2 if nodes.nnodes == 1 else nodes.nnodes)  # one rank per node by default
+    return nodes, world_size
 
 
 def add_measurement_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,18 +135,31 @@ def _run(args: argparse.Namespace) -> int:
     if args.group_size is not None:
         overrides["group_size"] = args.group_size
     try:
-        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, args.world_size, overrides,
+        nodes, world_size = nodes_from_args(args)
+        scenario = Scenario(args.framework, args.models, args.strategy, args.flush, world_size, overrides,
                             args.algorithm)
         if args.device not in DEVICES:
             raise ScenarioError(f"unknown device {args.device!r}; valid: {', '.join(DEVICES)}")
+        if nodes.multi_node and args.time_rounds > 1:
+            raise ScenarioError(f"--time-rounds {args.time_rounds} with --nnodes {nodes.nnodes}: one round per "
+                                f"multi-node launch (every node's agent would have to start each round)")
         result, rounds = run_rounds(lambda snapshots: run_scenario(
             scenario, device=args.device, timeout=args.timeout, snapshot_dir=snapshots,
-            cuda_emulation=args.cuda_emulation), args.time_rounds, args.snapshot_dir)
+            cuda_emulation=args.cuda_emulation, work_dir=args.work_dir, nodes=nodes), args.time_rounds,
+            args.snapshot_dir)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
+    if result.get("role") == "agent":  # a node of rank > 0: the node-rank-0 agent has the figures
+        print(f"{scenario.id}: node rank {nodes.node_rank} of {nodes.nnodes}, agent {result['status']}; the "
+              f"node-rank-0 agent prints and writes the result from {result['shared_work_dir']}")
+        if result["status"] != "ok":
+            print("FAILED: " + result["failure"]["message"] + ("\nlauncher log (tail):\n" + result["log_tail"][-1500:]
+                                                               if result["log_tail"] else ""))
+        return 0 if result["status"] == "ok" else 1
     label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
              if result["simulated"] else "measured: CUDA caching allocator")
-    print(f"{scenario.id} on {result['device']} x{scenario.world_size} ({label})")
+    where = f" ({nodes.nnodes} nodes x {scenario.world_size // nodes.nnodes})" if nodes.multi_node else ""
+    print(f"{scenario.id} on {result['device']} x{scenario.world_size}{where} ({label})")
     host = result.get("host") or {}
     print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
           f"anonymous RSS: {host.get('anon_method')}; "

@@ -14,7 +14,7 @@ def test_iteration_within_budget(scenario, benchmarked_iteration, memory_budget)
     memory_budget.check(result)
 
 
-@pytest.mark.gpu(count=4, min_memory_gib=24)
+@pytest.mark.gpu(count=4, min_memory_gb=24)
 def test_zero3_offload_raises_host_peak_rss_and_lowers_the_device_peak(iteration_result):
     offload = iteration_result(Scenario("deepspeed-chat", "opt-1.3b", "zero3-offload", "none", 4), "cuda")
     plain = iteration_result(Scenario("deepspeed-chat", "opt-1.3b", "zero3", "none", 4), "cuda")

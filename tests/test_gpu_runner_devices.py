@@ -111,3 +111,19 @@ def test_plugin_auto_with_fewer_gpus_than_ranks_fails_in_one_line_and_runs_nothi
     assert out.count(TOO_FEW.format(device="device auto")) >= 2, out
     assert f"rlhfmem_command('plain'): {TOO_FEW.format(device='device auto')}" in out
     assert not list(pytester.path.rglob("launcher.log")) and "rlhfmem: memory per scenario" not in out
+
+
+@pytest.mark.parametrize("var, value", [("RLHFMEM_HISTORY_MAX_ENTRIES", "lots"), ("RLHFMEM_HISTORY_CONTEXT", "frames")])
+def test_a_bad_history_setting_is_one_line_before_any_rank_starts(monkeypatch, tmp_path, var, value):
+    """A CUDA rank read ``$RLHFMEM_HISTORY_*`` only in ``Recorder.start``: a bad value was a traceback in every
+    rank's log. Checked with one stand-in GPU (the count as data), the same line for a recipe and a command."""
+    from pytest_rlhfmem.rlhf.scenario import Scenario
+
+    monkeypatch.setattr(launch, "cuda_device_count", lambda: 1)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(CommandError, match=rf"^\${var}='{value}': allowed values: "):
+        run_command([str(PLAIN_TRAIN)], "plain", device="cuda", work_dir=tmp_path / "work")
+    with pytest.raises(ScenarioError, match=rf"^\${var}='{value}': allowed values: "):
+        launch.run_scenario(Scenario("deepspeed-chat", "tiny-opt", "none", "none", 1), device="cuda",
+                            work_dir=tmp_path / "work")
+    assert not (tmp_path / "work").exists()  # nothing started

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..memory.capture import history_settings
 from ..rlhf.launch import DEFAULT_TIMEOUT_S, aggregate, command_env, resolve_device, run_process_group
 from ..rlhf.scenario import ScenarioError
 from . import rank as R
@@ -216,6 +217,11 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
             device = resolve_device(device, (_torchrun_nproc(argv, per_node=True) or n) if is_torchrun else n)
         except ScenarioError as exc:
             raise CommandError(str(exc)) from None
+    if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
+        try:
+            history_settings()
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
     if cuda_emulation not in ("on", "off"):
         raise CommandError(f"cuda_emulation {cuda_emulation!r}: allowed values are on, off")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
@@ -266,7 +272,8 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
         raise CommandError(f"{shlex.join(argv)} finished without importing torch: nothing to measure")
     ident = R.CommandIdentity(id, tuple(argv), n)
     result = aggregate(ident, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
-    if not timed_out and len(result["ranks"]) == n and not any(r["events"] for r in result["ranks"]):
+    if (not timed_out and len(result["ranks"]) == n and not any(r["events"] for r in result["ranks"])
+            and not any(r.get("error") for r in result["ranks"])):  # a rank that failed says why itself
         # torch was imported, but no rank allocated a byte of device memory (simulated or real)
         tail = _last_line(log_path)
         if returncode != 0:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..hardware import cuda_device_count
 from ..hostcpu import fp16_answer
+from ..memory.capture import history_settings
 from ..memory.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
@@ -206,6 +207,11 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     except ValueError as exc:
         raise ScenarioError(str(exc)) from None
     device = resolve_device(device, (nodes or Nodes()).local_world_size(scenario.world_size))  # GPUs of this node
+    if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
+        try:
+            history_settings()
+        except ValueError as exc:
+            raise ScenarioError(str(exc)) from None
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
                             f"and Gemini plugins assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")

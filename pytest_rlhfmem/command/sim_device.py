@@ -235,7 +235,7 @@ def install(get_rec: Any) -> list[str]:
     Returns the names replaced (recorded in the result)."""
     import torch
 
-    from ..memory.sim_cuda import ENV_RECORD_STREAM, library, record_stream_mode
+    from ..memory.sim_cuda import ENV_RECORD_STREAM, drop_python_gpu_kernels, library, record_stream_mode
 
     if record_stream_mode() != "immediate":  # its stand-ins log no host waits: delays would never end
         raise ValueError(f"${ENV_RECORD_STREAM}={record_stream_mode()}: modelled on the fake-CUDA route only "
@@ -308,4 +308,7 @@ def install(get_rec: Any) -> list[str]:
     names.append("nvtx")
     SCALAR_SITES.install(torch)
     names.append("Tensor.item/__bool__/__int__/__float__/tolist: call sites counted")
+    dropped = drop_python_gpu_kernels()  # a CUDA build's only
+    if dropped:
+        names.append(f"torch._native CUDA kernels removed ({', '.join(dropped)}): the device's kernels run instead")
     return names

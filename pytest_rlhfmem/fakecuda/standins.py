@@ -260,7 +260,8 @@ def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
     global _SIM_LIB, _HOST_WAITS
     import ctypes
 
-    from ..memory.sim_cuda import ALL_STREAMS, LOG_RECORD_STREAM, LOG_SYNC, record_stream_mode
+    from ..memory.sim_cuda import (ALL_STREAMS, LOG_RECORD_STREAM, LOG_SYNC, drop_python_gpu_kernels,
+                                   record_stream_mode)
 
     lib.rlhfmem_sim_cuda_stream.restype = ctypes.c_int64
     _SIM_LIB = lib
@@ -305,6 +306,9 @@ def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
     names.append("generate: stops after max_new_tokens steps")
     _skip_host_weight_init()
     names.append("weight initialisation of host tensors skipped (values never read; tying kept)")
+    dropped = drop_python_gpu_kernels()  # a CUDA build's only
+    if dropped:
+        names.append(f"torch._native CUDA kernels removed ({', '.join(dropped)}): the device's kernels run instead")
     return names + _install_deepspeed()
 
 

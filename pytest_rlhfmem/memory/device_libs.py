@@ -5,6 +5,9 @@
 - ``sim_cuda.cpp`` (:data:`SIM_SOURCE`): the same plus a simulated CUDA device (allocator that logs, meta
   kernels), for ``rlhfmem capture --device cuda-sim`` (``memory/sim_cuda.py``).
 
+On a CUDA build of torch (``lib/libtorch_cuda.so``, no GPU needed) :func:`load_built` loads libtorch_cuda itself,
+between the library and its take-over of libtorch_cuda's CUDA registrations, so the device runs as on a CPU build.
+
 Never imports torch: a library must be loaded before ``import torch`` (torch creates its CUDA hooks
 object once, during import). The build takes a few seconds with plain g++ against the installed torch's
 headers and is cached under ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default ``~/.cache``), keyed by the
@@ -72,8 +75,56 @@ def load(source: Path = SOURCE) -> Path:
         raise FakeCudaUnavailable("torch is already imported in this process: the fake CUDA hooks must be "
                                   "loaded first (run the fake-CUDA route in a fresh process)")
     path = library_path(source)
+    load_built(path)
+    return path
+
+
+CUDA_BUILD_LIBRARY = "libtorch_cuda.so"  # present in a CUDA build of torch only
+
+
+def cuda_build() -> bool:
+    """Whether the installed torch is a CUDA build (its ``lib/`` holds ``libtorch_cuda.so``). Never imports torch."""
+    return (_torch_dir() / "lib" / CUDA_BUILD_LIBRARY).exists()
+
+
+def load_built(path: Path | str, cuda_libraries: list[Path] | None = None) -> dict[str, int]:
+    """Load a built device library (and torch's ``libc10.so``/``libtorch_cpu.so`` it links) into this process,
+    before torch; on a CUDA build also ``libtorch_cuda.so``, in the order that leaves the library's device in
+    charge (its registrations after libtorch_cuda's; ``sim_cuda.cpp``: "on a CUDA build of torch").
+
+    Returns what the library took over from a CUDA build (empty on a CPU build, whose path is unchanged):
+    ``{"cpu_build_cuda_kernels": ops with a CUDA kernel before libtorch_cuda, "cuda_kernels_to_meta": ...,
+    "cuda_kernels_to_composite": ..., "autograd_cuda_to_composite": ...}`` (operator counts). Raises
+    :class:`FakeCudaUnavailable` when a CUDA build's library cannot be loaded (``OSError``'s message).
+    ``cuda_libraries``: the CUDA build's libraries to load in libtorch_cuda's place (default: the installed torch's
+    ``libtorch_cuda.so`` where it exists, none on a CPU build)."""
     torch_lib = _torch_dir() / "lib"
     for dep in ("libc10.so", "libtorch_cpu.so"):  # resolve the library's symbols from torch's own copies
         ctypes.CDLL(str(torch_lib / dep), mode=ctypes.RTLD_GLOBAL)
-    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    return path
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    if cuda_libraries is None:
+        cuda_libraries = [torch_lib / CUDA_BUILD_LIBRARY] if cuda_build() else []
+    if not cuda_libraries:
+        return {}
+    note = getattr(lib, "rlhfmem_sim_cuda_note_cpu_kernels", None)
+    took: dict[str, int] = {}
+    if note is not None:
+        note.restype = ctypes.c_int64
+        took["cpu_build_cuda_kernels"] = note()
+    for cuda_lib in cuda_libraries:
+        try:
+            ctypes.CDLL(str(cuda_lib), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise FakeCudaUnavailable(f"cannot load {Path(cuda_lib).name} of this CUDA build of torch: {exc}") from None
+    for prefix in ("rlhfmem_sim_cuda", "rlhfmem_fake_cuda"):
+        take_over = getattr(lib, f"{prefix}_take_over", None)
+        if take_over is not None:
+            take_over.restype = ctypes.c_int64
+            take_over()
+    counts = getattr(lib, "rlhfmem_sim_cuda_taken_over", None)
+    if counts is not None:
+        counts.restype = ctypes.c_int64
+        counts.argtypes = [ctypes.c_int]
+        for i, key in enumerate(("cuda_kernels_to_meta", "cuda_kernels_to_composite", "autograd_cuda_to_composite")):
+            took[key] = counts(i)
+    return took

@@ -82,13 +82,37 @@ def sdpa_backend(name: str | None = None) -> str:
 def load_before_torch(path: str) -> None:
     """Load the built library at ``path`` (and torch's libc10/libtorch_cpu it links) into this process,
     before torch is imported; sets ``$RLHFMEM_SIM_CUDA_LIBRARY`` for :func:`library`."""
-    from .device_libs import _torch_dir
+    from .device_libs import load_built
 
-    torch_lib = _torch_dir() / "lib"
-    for dep in ("libc10.so", "libtorch_cpu.so"):
-        ctypes.CDLL(str(torch_lib / dep), mode=ctypes.RTLD_GLOBAL)
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    load_built(path)
     os.environ[ENV_LIBRARY] = path
+
+
+def drop_python_gpu_kernels() -> list[str]:
+    """On a CUDA build of torch, after ``import torch``: remove the CUDA kernels that ``torch._native`` registered
+    from Python for its GPU code generators (``torch/_native/registry.py``: the DSLs of
+    ``torch._native.dsl_registry``, triton, cutedsl, helion: e.g. ``aten::bmm``'s triton outer product), so those
+    ops reach the simulated device as on a CPU build (the device's library takes over the C++ CUDA kernels when it
+    is loaded: ``memory/device_libs.py: load_built``). Returns the DSLs whose overrides were removed (``[]`` on a
+    CPU build, where nothing changes, and on a torch without ``torch._native``)."""
+    import torch
+
+    if torch.version.cuda is None:
+        return []
+    try:
+        from torch._native import registry
+    except ImportError:  # a torch before torch._native
+        return []
+    try:
+        from torch._native.dsl_registry import dsl_registry
+
+        names = list(dsl_registry.list_all_dsls())
+    except (ImportError, AttributeError):  # no DSL registry: every CUDA override goes
+        registry.deregister_op_overrides(disable_dispatch_keys=["CUDA"])
+        return ["every CUDA override"]
+    if names:
+        registry.deregister_op_overrides(disable_dsl_names=names)
+    return names
 
 
 def record_stream_mode(name: str | None = None) -> str:

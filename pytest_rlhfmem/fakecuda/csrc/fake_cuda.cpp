@@ -33,7 +33,16 @@ struct FakeCUDAHooks final : public at::CUDAHooksInterface {
 
 C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
 namespace at {
-C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", FakeCUDAHooks);
+// Preferred over a CUDA build's own "CUDAHooks" (libtorch_cuda registers it at the default priority; c10's
+// Registry exits the process on a second key of the same priority, and keeps the higher one in either order).
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, FakeCUDAHooks);
 }  // namespace at
 
 extern "C" int rlhfmem_fake_cuda_loaded() { return 1; }
+// On a CUDA build, after libtorch_cuda is loaded (memory/device_libs.py: load_built): its CUDA guard replaced
+// this library's (the registry keeps the last one); register the fake guard again. Returns 0.
+extern "C" int64_t rlhfmem_fake_cuda_take_over() {
+  static c10::impl::DeviceGuardImplRegistrar guard(c10::DeviceType::CUDA,
+                                                   new c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>());
+  return 0;
+}

@@ -21,7 +21,8 @@
 // training recording's warm-ups end one 40 MiB segment short (measured, tests/test_sim_cuda.py).
 //
 // Also registers c10's FakeGuardImpl for CUDA (streams, device index) and CUDA hooks with hasCUDA() true.
-// Must be loaded (ctypes, RTLD_GLOBAL) BEFORE `import torch`.
+// Must be loaded (ctypes, RTLD_GLOBAL) BEFORE `import torch`. On a CUDA build of torch the same device runs
+// the same code paths: see "on a CUDA build of torch" below (memory/device_libs.py: load_built).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -34,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -476,7 +478,9 @@ struct SimCUDAHooks final : public at::CUDAHooksInterface {
 
 C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
 namespace at {
-C10_REGISTER_TYPED_CLASS(CUDAHooksRegistry, "CUDAHooks", SimCUDAHooks);
+// Preferred over a CUDA build's own "CUDAHooks" (libtorch_cuda registers it at the default priority; c10's
+// Registry exits the process on a second key of the same priority, and keeps the higher one in either order).
+C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, SimCUDAHooks);
 }  // namespace at
 
 TORCH_LIBRARY_IMPL(_, CUDA, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&cuda_via_meta>()); }
@@ -486,6 +490,50 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
   m.impl("copy_", TORCH_FN(copy_));
   m.impl("_fused_sdp_choice", TORCH_FN(fused_sdp_choice));
 }
+
+// ---- on a CUDA build of torch ------------------------------------------------------------------------
+// A CPU build registers (almost) no kernel for the CUDA key, so the device runs each op through the boxed
+// fallback above, or through the op's composite kernel (CompositeExplicitAutogradNonFunctional,
+// CompositeExplicitAutograd, CompositeImplicitAutograd) where it has one: the dispatch table's precedence
+// (aten/src/ATen/core/dispatch/OperatorEntry.cpp: computeDispatchTableEntryWithDebug). A CUDA build's
+// libtorch_cuda registers real CUDA kernels for ~1,300 ops, which win over a fallback, its CUDA guard, its
+// DispatchStub pointers and its CUDA hooks. memory/device_libs.py loads this library, then calls
+// rlhfmem_sim_cuda_note_cpu_kernels(), then loads libtorch_cuda, then calls rlhfmem_sim_cuda_take_over(): every
+// op that got a direct CUDA kernel since the note gets the table entry a CPU build computes for CUDA again, as
+// a direct CUDA kernel of this library (a later registration wins: OperatorEntry::registerKernel): its
+// composite kernel where it has one (reached through a backend key nobody registers kernels for, whose table
+// entry is computed the same way: PrivateUse3), else cuda_via_meta. AutogradCUDA, for the ops whose only
+// composite besides CompositeExplicitAutogradNonFunctional is CompositeImplicitAutograd: the CPU build's entry
+// is that kernel (no CUDA kernel and no CompositeExplicitAutograd one), the CUDA build's is the op's autograd
+// kernel (a CUDA kernel exists); it gets the composite again (through AutogradPrivateUse3).
+namespace {
+constexpr c10::DispatchKey kMirror = c10::DispatchKey::PrivateUse3;
+constexpr c10::DispatchKey kAutogradMirror = c10::DispatchKey::AutogradPrivateUse3;
+std::unordered_set<std::string> g_cpu_build_cuda_kernels;  // "ns::name.overload" with a CUDA kernel at the note
+bool g_noted = false;
+std::atomic<int64_t> g_taken_over[3];  // CUDA kernels -> fallback, CUDA kernels -> composite, AutogradCUDA
+
+void cuda_composite(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(kMirror), stack);
+}
+void autograd_cuda_composite(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(kAutogradMirror), stack);
+}
+
+std::string qualified(const c10::OperatorName& n) {
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
+
+std::vector<std::unique_ptr<torch::Library>> g_takeover_libraries;
+torch::Library& library_for(std::unordered_map<std::string, torch::Library*>& libs, const std::string& ns,
+                            c10::DispatchKey key) {
+  auto it = libs.find(ns);
+  if (it != libs.end()) return *it->second;
+  g_takeover_libraries.push_back(
+      std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, static_cast<uint32_t>(__LINE__)));
+  return *libs.emplace(ns, g_takeover_libraries.back().get()).first->second;
+}
+}  // namespace
 
 namespace {
 struct RegisterAllocator {
@@ -500,6 +548,64 @@ struct RegisterAllocator {
 // ---- read by Python through ctypes ---------------------------------------------------------------------
 extern "C" {
 int rlhfmem_sim_cuda_loaded() { return 1; }
+// Before a CUDA build's libtorch_cuda is loaded: remember which ops have a CUDA kernel (what a CPU build has).
+int64_t rlhfmem_sim_cuda_note_cpu_kernels() {
+  auto& d = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& n : d.getAllOpNames()) {
+    auto op = d.findOp(n);
+    if (op && op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) g_cpu_build_cuda_kernels.insert(qualified(n));
+  }
+  g_noted = true;
+  return static_cast<int64_t>(g_cpu_build_cuda_kernels.size());
+}
+// After libtorch_cuda is loaded (see "on a CUDA build of torch"): the device's CUDA hooks stay (registered
+// preferred), its guard, allocator, DispatchStub and own kernels are registered again, and every op with a CUDA
+// kernel not noted gets the CPU build's table entry back. Returns the ops taken over, -1 without the note.
+int64_t rlhfmem_sim_cuda_take_over() {
+  if (!g_noted) return -1;
+  using c10::DispatchKey;
+  static c10::impl::DeviceGuardImplRegistrar guard(c10::DeviceType::CUDA,
+                                                   new c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>());
+  c10::SetAllocator(c10::DeviceType::CUDA, &g_allocator, /*priority=*/100);
+  at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&fused_sdp_choice);
+  std::unordered_map<std::string, torch::Library*> cuda_libs, autograd_libs;
+  auto& d = c10::Dispatcher::singleton();
+  int64_t n_ops = 0;
+  for (const c10::OperatorName& n : d.getAllOpNames()) {
+    auto op = d.findOp(n);
+    if (!op || !op->hasKernelForDispatchKey(DispatchKey::CUDA)) continue;
+    const std::string name = qualified(n);
+    if (g_cpu_build_cuda_kernels.count(name)) continue;
+    const std::string ns = name.substr(0, name.find("::"));
+    const bool implicit = op->hasKernelForDispatchKey(DispatchKey::CompositeImplicitAutograd);
+    const bool explicit_ = op->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutograd);
+    const bool composite = implicit || explicit_ ||
+                           op->hasKernelForDispatchKey(DispatchKey::CompositeExplicitAutogradNonFunctional);
+    if (composite && !op->hasKernelForDispatchKey(kMirror)) {
+      library_for(cuda_libs, ns, DispatchKey::CUDA)
+          .impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&cuda_composite>());
+      g_taken_over[1]++;
+    } else {
+      library_for(cuda_libs, ns, DispatchKey::CUDA)
+          .impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&cuda_via_meta>());
+      g_taken_over[0]++;
+    }
+    if (implicit && !explicit_ && !op->hasKernelForDispatchKey(DispatchKey::AutogradCUDA) &&
+        !op->hasKernelForDispatchKey(kAutogradMirror)) {
+      library_for(autograd_libs, ns, DispatchKey::AutogradCUDA)
+          .impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&autograd_cuda_composite>());
+      g_taken_over[2]++;
+    }
+    n_ops++;
+  }
+  auto& aten = library_for(cuda_libs, "aten", DispatchKey::CUDA);  // the device's own, replaced by libtorch_cuda's
+  aten.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  aten.impl("copy_", TORCH_FN(copy_));
+  aten.impl("_fused_sdp_choice", TORCH_FN(fused_sdp_choice));
+  return n_ops;
+}
+// 0: CUDA kernels replaced by the meta fallback, 1: by the op's composite kernel, 2: AutogradCUDA composites.
+int64_t rlhfmem_sim_cuda_taken_over(int kind) { return kind >= 0 && kind < 3 ? g_taken_over[kind].load() : -1; }
 void rlhfmem_sim_cuda_set_workspace_bytes(int64_t n) { g_workspace_bytes = n; }
 void rlhfmem_sim_cuda_set_stream(int64_t s) { t_stream = s; }
 void rlhfmem_sim_cuda_set_sdp_backend(int64_t b) { g_sdp_backend = b; }

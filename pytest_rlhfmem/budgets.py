@@ -23,19 +23,27 @@ A file::
           fragmentation_at_peak: 22.94 MiB
           cuda_malloc_count: 32          # counts are plain integers
           alloc_retries: 0
+          host_anon_growth: 98 MiB       # measured on the host, never simulated
+          host_pinned_peak: 0 B
         tolerances:                      # optional per-entry overrides
           peak_reserved: {rel: 0.02}
 
 A result is compared only with an entry of the same capture (kind and description, see
 :func:`not_comparable`). A measured value passes when ``measured <= budget + max(abs, rel * budget)``.
-Loading is strict: an unknown key, a size without a unit or a negative tolerance raises :class:`BudgetError`
-naming the file, the entry and the key. Updates merge into the file (entries a run did not touch are kept), are atomic
-(temporary file + rename) and serialised by a file lock, so concurrent writers cannot lose entries.
+Loading is strict: an unknown key, a key given twice in one mapping, a size without a unit, a negative size or
+tolerance and an empty file raise :class:`BudgetError` naming the file, the entry and the key; an entry without one
+of the metrics every entry gates (:data:`BUDGET_METRICS`; the ZeRO-Infinity ones all or none) fails the check that
+reads it, naming the metric (:func:`incomplete`). Updates merge into the file (entries a run did not touch are
+kept), are atomic (temporary file + rename, keeping the file's mode and ownership) and serialised by a file lock
+that is never removed (:func:`lock_path`, in the user cache, not beside the file), so any number of concurrent
+writers cannot lose an entry; :func:`check_writable` refuses an unwritable or full directory before a session runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +123,10 @@ class BudgetError(ValueError):
     """A malformed budget file; the message names the file, the entry and the key."""
 
 
+class BudgetWriteError(BudgetError):
+    """A budget file that cannot be written (read-only or full directory); one line naming the file and why."""
+
+
 @dataclass
 class BudgetEntry:
     id: str
@@ -172,17 +184,60 @@ def _parse_tolerance(path: Path, where: str, metric: str, d: Any, base: Toleranc
     return Tolerance(rel, ab)
 
 
-def load_budget_file(path: str | Path) -> BudgetFile:
-    """Read and validate a budget file. Raises :class:`BudgetError` (file, entry, key) on any problem;
-    ``FileNotFoundError`` if it does not exist."""
-    p = Path(path)
-    text = p.read_text()
+def _child_where(where: str, key: str) -> str:
+    if where == "top level":
+        return key
+    if where == "entries":
+        return f"entry {key!r}"
+    return f"{where}.{key}"
+
+
+def _refuse_duplicate_keys(path: Path, node: Any, where: str = "top level") -> None:
+    """A key given twice in one mapping: YAML loaders keep the last value silently; refused here."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = k.value if isinstance(k, yaml.ScalarNode) else None
+            if key is not None:
+                line = k.start_mark.line + 1
+                if key in seen:
+                    raise _err(path, where, f"key {key!r} given twice (lines {seen[key]} and {line}); "
+                               "allowed: each key once")
+                seen[key] = line
+            _refuse_duplicate_keys(path, v, _child_where(where, str(key)))
+    elif isinstance(node, yaml.SequenceNode):
+        for v in node.value:
+            _refuse_duplicate_keys(path, v, where)
+
+
+def _parse_yaml(p: Path, text: str) -> Any:
+    """``text`` as YAML (libyaml's parser where built), a key given twice refused; ``None`` for no document."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
-        raw = yaml.safe_load(text) or {}
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicate_keys(p, node)
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f"line {mark.line + 1}" if mark else "?"
         raise _err(p, at, f"not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    finally:
+        loader.dispose()
+
+
+def load_budget_file(path: str | Path) -> BudgetFile:
+    """Read and validate a budget file. Raises :class:`BudgetError` (file, entry, key) on any problem: an empty
+    file (damaged), a key given twice, a size without a unit or negative, an unknown key. An entry missing a
+    gated metric is refused when it is checked (:func:`incomplete`), not here: an update rewrites it whole.
+    ``FileNotFoundError`` if it does not exist."""
+    p = Path(path)
+    text = p.read_text()
+    raw = _parse_yaml(p, text)
+    if raw is None:
+        raise _err(p, "top level", "the file is empty (damaged?): a budget file holds schema, profile and entries; "
+                   "restore it, or delete it and write it again with --rlhfmem-update-baselines")
     if not isinstance(raw, dict):
         raise _err(p, "top level", "must be a mapping with keys " + ", ".join(_TOP_KEYS))
     _unknown(p, "top level", raw, _TOP_KEYS)
@@ -219,6 +274,8 @@ def load_budget_file(path: str | Path) -> BudgetFile:
                     metrics[m] = parse_size(v)
                 except ValueError as exc:
                     raise _err(p, f"{where}.metrics.{m}", str(exc)) from None
+                if metrics[m] < 0:
+                    raise _err(p, f"{where}.metrics.{m}", f"a size is >= 0, got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise _err(p, f"{where}.metrics.{m}", f"a count is an integer >= 0, got {v!r}")
             else:
@@ -227,6 +284,19 @@ def load_budget_file(path: str | Path) -> BudgetFile:
                 for m, t in (e.get("tolerances") or {}).items()}
         entries[eid] = BudgetEntry(eid, metrics, tols, e.get("capture"), e.get("device"), e.get("peak_phase"), e)
     return BudgetFile(p, raw.get("profile"), defaults, entries, raw)
+
+
+def incomplete(path: str | Path, entry: BudgetEntry) -> str | None:
+    """``None`` when ``entry`` names every metric it is checked on: all of :data:`BUDGET_METRICS`, and all of
+    :data:`SWAP_BUDGETS` when it names one of them (``entry_from_result`` writes them together); else one line
+    naming the file, the entry and the missing metrics (an entry cut short would otherwise pass unchecked)."""
+    missing = [m for m in BUDGET_METRICS if m not in entry.metrics]
+    if any(m in entry.metrics for m in SWAP_BUDGETS):
+        missing += [m for m in SWAP_BUDGETS if m not in entry.metrics]
+    if not missing:
+        return None
+    return (f"{path}: entry {entry.id!r}.metrics: missing {', '.join(missing)}; every entry gates "
+            f"{', '.join(BUDGET_METRICS)} (write the entry again with --rlhfmem-update-baselines)")
 
 
 @dataclass
@@ -340,7 +410,7 @@ def entry_from_result(result: dict) -> dict:
     }
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):  # libyaml's emitter: the same text, 6x faster
     def ignore_aliases(self, data: Any) -> bool:  # no &anchors / *aliases in budget files
         return True
 
@@ -353,23 +423,87 @@ class UpdateSummary:
     unchanged: list[str] = field(default_factory=list)
 
 
+def lock_path(path: str | Path) -> Path:
+    """The lock file that serialises updates of the budget file ``path``:
+    ``$XDG_CACHE_HOME/pytest-rlhfmem/budget-locks/<sha256 of the file's resolved path>.lock`` (default
+    ``~/.cache``; the temporary directory where the cache cannot be created). It is created once and never
+    removed: a lock file unlinked after release lets a third writer lock a new inode while a second still holds
+    the old one (two writers at once, entries lost). Kept out of ``baselines/`` so nothing is left there."""
+    key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytest-rlhfmem" / "budget-locks"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        cache = Path(tempfile.gettempdir()) / f"pytest-rlhfmem-budget-locks-{os.getuid()}"
+        cache.mkdir(parents=True, exist_ok=True)
+    return cache / f"{key}.lock"
+
+
+_PROBE_SPARE = 64 * 1024  # bytes an update may add to the file: a probe this much larger than the file must fit
+
+
+def check_writable(path: str | Path) -> str | None:
+    """``None`` when an update of the budget file ``path`` can be written; else one line naming the file,
+    the directory and why (read-only, full, not a directory). Writes and removes a probe file (the file's
+    size plus 64 KiB, in the directory or its nearest existing parent), so nothing is left behind."""
+    p = Path(path)
+    d = p.parent
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    if not d.is_dir():
+        return f"{p}: baselines cannot be written: {d} is not a directory"
+    try:
+        size = p.stat().st_size if p.is_file() else 0
+    except OSError:
+        size = 0
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".rlhfmem-probe-", suffix=".tmp", dir=d)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * (size + _PROBE_SPARE))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return (f"{p}: baselines cannot be written: directory {d}: {exc.strerror or exc} "
+                "(--rlhfmem-update-baselines needs a writable baselines directory with room for the file)")
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return None
+
+
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 def update_budget_file(path: str | Path, updates: dict[str, dict], profile: str) -> UpdateSummary:
     """Merge ``updates`` (scenario id -> entry from :func:`entry_from_result`) into ``path``.
 
     Keeps every entry it is not given and each updated entry's own ``tolerances``; writes atomically
-    under a file lock. Raises :class:`BudgetError` if the existing file is malformed (it is never
-    overwritten then).
+    (a temporary file in the same directory, given the file's own mode and ownership, then renamed over it;
+    a new file gets ``0666 & ~umask``) under the file lock of :func:`lock_path`. Raises :class:`BudgetError`
+    if the existing file is malformed (it is never overwritten then) and :class:`BudgetWriteError` (one line;
+    no temporary file left) when the directory cannot be created or written (read-only, full).
     """
     from filelock import FileLock
 
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BudgetWriteError(f"{p}: not written: cannot create {p.parent}: {exc.strerror or exc}") from None
     summary = UpdateSummary(p)
-    with FileLock(str(p) + ".lock"):
+    with FileLock(str(lock_path(p))):
         raw: dict = {"schema": SCHEMA, "profile": profile, "entries": {}}
+        st = None
         if p.exists():
-            load_budget_file(p)  # validate before touching anything
-            raw = yaml.safe_load(p.read_text()) or raw
+            st = p.stat()
+            raw = load_budget_file(p).raw  # validated before anything is touched
             raw.setdefault("entries", {})
             raw["entries"] = raw["entries"] or {}
         for eid, new in sorted(updates.items()):
@@ -390,14 +524,31 @@ def update_budget_file(path: str | Path, updates: dict[str, dict], profile: str)
                 "# capture 'cpu-trace-simulated' = simulated by the allocator model from a CPU run;\n"
                 "# 'cuda-memory-history' = measured on the GPU's own caching allocator.\n")
         text += yaml.dump(raw, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    try:
-        os.unlink(str(p) + ".lock")
-    except OSError:
-        pass
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode) if st else 0o666 & ~_umask())
+                if st and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                    try:  # only root (or the owner, for a group it belongs to) may; else the writer owns it
+                        os.fchown(f.fileno(), st.st_uid, st.st_gid)
+                    except PermissionError:
+                        pass
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+            tmp = None
+        except OSError as exc:
+            bad = f"{p}: not written: {exc.strerror or exc} (directory {p.parent})"
+        else:
+            bad = None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        if bad:
+            raise BudgetWriteError(bad)
     return summary

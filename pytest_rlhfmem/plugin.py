@@ -10,7 +10,7 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -224,7 +224,8 @@ class RlhfmemSession:
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """Every collected ``gpu`` mark is read and every budget file the collected tests' ``memory_budget``
         reads by default is loaded now, before the first iteration: a bad mark or a malformed file ends the
-        session at once with one line (a usage error)."""
+        session at once with one line (a usage error). Under ``--rlhfmem-update-baselines`` each of those
+        files' directories must be writable with room for the file (:func:`~.budgets.check_writable`)."""
         if self.is_xdist_worker:
             return
         for item in session.items:  # a gpu mark with a bad keyword or value: one line, before anything runs
@@ -242,13 +243,20 @@ class RlhfmemSession:
                 mod = Path(str(item.path)).stem
                 suite = mod[5:] if mod.startswith("test_") else mod
                 files |= {self.baselines_dir() / prof / f"{suite}.yaml" for prof in self.start_profiles()}
+        update = bool(_opt(self.config, "rlhfmem_update_baselines"))
         for f in sorted(files):
+            if update:  # a read-only or full directory: refused now, not after the session ran
+                unwritable = B.check_writable(f)
+                if unwritable:
+                    raise pytest.UsageError(unwritable)
             if not f.is_file():
                 continue
             try:
                 B.load_budget_file(f)
             except B.BudgetError as exc:
                 bad = str(exc)
+            except OSError as exc:
+                bad = f"{f}: cannot read: {exc.strerror or exc}"
             else:
                 continue
             raise pytest.UsageError(f"malformed baseline file: {bad}")  # outside except: nothing chained
@@ -492,6 +500,15 @@ def rlhfmem_session(request: pytest.FixtureRequest) -> RlhfmemSession:
     return request.config.pluginmanager.get_plugin("rlhfmem_session")
 
 
+def _stop_session(exc: KeyboardInterrupt) -> NoReturn:
+    """A run that SIGINT, SIGTERM or SIGHUP stopped (``rlhf/launch.py``'s ``RunInterrupted``: every process of
+    the run already stopped): end the session with its one line (each rank's phase, the work directory) and exit
+    status 128 + the signal (130, 143, 129), as a shell reports a process the signal ended."""
+    if hasattr(exc, "exit_status"):
+        pytest.exit(f"rlhfmem: {exc}", returncode=exc.exit_status)
+    raise exc
+
+
 @pytest.fixture
 def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSession,
                   tmp_path_factory: pytest.TempPathFactory) -> Callable[..., IterationResult]:
@@ -526,6 +543,8 @@ def ppo_iteration(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSessio
                                  _opt(request.config, "rlhfmem_snapshots"))
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
+        except KeyboardInterrupt as exc:
+            _stop_session(exc)
         result = IterationResult(data)
         rlhfmem_session.record(request.node.nodeid, result)
         if not result.ok:
@@ -569,6 +588,8 @@ def rlhfmem_command(request: pytest.FixtureRequest, rlhfmem_session: RlhfmemSess
                                  _opt(request.config, "rlhfmem_snapshots"))
         except CommandError as exc:
             bad = str(exc)
+        except KeyboardInterrupt as exc:
+            _stop_session(exc)
         else:
             bad = None
         if bad:  # outside the except block: one message, no chained traceback
@@ -625,6 +646,10 @@ class MemoryBudget:
         if entry is None:
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "missing"))
             pytest.fail(f"no baseline entry {eid!r} in {path}; {fix}", pytrace=False)
+        cut = B.incomplete(path, entry)
+        if cut:
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "error", detail=cut))
+            pytest.fail(cut, pytrace=False)
         reason = B.not_comparable(path, entry, result.capture, result.data.get("capture_description"))
         if reason:
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "not-comparable"))

@@ -8,8 +8,10 @@ NEWOBJ, PERSID, EXT...), so no pickle can run code through it by construction. I
 trace entries as columns (:class:`SnapshotEntries`) and the rest of the snapshot (segments, settings) as a
 small pickle of builtins, which :func:`~.trace.load_snapshot_columnar` loads with the global-refusing
 Unpickler of ``load_snapshot``. A stream it does not read exactly as Python would (truncated, damaged, an
-opcode snapshots do not use, an entry whose numbers are not non-negative integers) makes it DECLINE: Python
-then reads the file as before, so every message and result stays today's.
+opcode snapshots do not use, an entry whose numbers are not integers in 0..2**63-1, a live address allocated
+again: an ``alloc`` with no ``free_completed`` since the last one there, a ``segment_alloc`` with no
+``segment_free``) makes it DECLINE: Python then reads the file, and gives the one line naming the file and the entry
+(``trace.py``), so both readers give every message and result alike.
 
 Built like the replay core (``replay_engine.py``): the system's ``g++ -O2 -shared -fPIC`` into
 ``$XDG_CACHE_HOME/pytest-rlhfmem/snapshot_reader_<hash>.so`` under a ``filelock``; without a compiler

@@ -253,6 +253,60 @@ def _normalize_segment(seg: dict, src: str) -> dict:
     return out
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _bad_number(raw: Any, src: str, dev: int) -> str:
+    """The one line for the first kept entry of ``raw`` whose addr/size/stream/time_us (oom: device_free) is not
+    an integer in 0..2**63-1 (the range of the int64 columns; PyTorch writes them from ``size_t``/``int64_t``)."""
+    for i, e in enumerate(raw):
+        act = _KEPT.get(e.get("action"))
+        if act is None:
+            continue
+        keys = ("device_free" if act == OOM and "device_free" in e else "addr", "size", "stream", "time_us")
+        for k in keys:
+            v = e.get(k) or 0
+            if type(v) is not int or not 0 <= v <= _INT64_MAX:
+                what = "out of range (0 to 2**63-1)" if type(v) is int else "not an integer"
+                return (f"{src}: malformed snapshot entry: device {dev} trace entry {i} ({e.get('action')}): "
+                        f"{k} {v!r} is {what}")
+    return f"{src}: malformed snapshot entry: device {dev}: a number that is not an integer in 0..2**63-1"
+
+
+def _refuse_duplicate_live(action: bytes, addr: Any, size: Any, src: str, dev: int) -> None:
+    """Raise :class:`SnapshotError` (one line naming the file and the entry) where the trace allocates an address
+    that is live: a block (``alloc``) whose earlier ``alloc`` at that address was not freed (``free_completed``)
+    since, or a ``segment_alloc`` whose segment was not ``segment_free``'d since. PyTorch's caching allocator
+    (c10/cuda/CUDACachingAllocator.cpp) never hands out a live block or cudaMallocs a live address; replaying
+    such a trace would count one block or segment twice, silently. ``action``/``addr``/``size``: the kept
+    columns after :func:`~.columns.drop_immediate_requests` (entries are counted in that order)."""
+    a_alloc, a_free, a_seg, a_segfree = CODE[ALLOC], CODE[FREE], CODE[SEGMENT_ALLOC], CODE[SEGMENT_FREE]
+    if action.find(bytes([a_alloc])) < 0 and action.find(bytes([a_seg])) < 0:
+        return
+    live: dict[int, int] = {}
+    segs: dict[int, int] = {}
+    for i, (c, a) in enumerate(zip(action, addr)):
+        if c == a_alloc:
+            if a in live:
+                raise SnapshotError(_duplicate(src, dev, "alloc", i, a, size[i], live[a], "block", "free_completed"))
+            live[a] = i
+        elif c == a_free:
+            live.pop(a, None)
+        elif c == a_seg:
+            if a in segs:
+                raise SnapshotError(_duplicate(src, dev, "segment_alloc", i, a, size[i], segs[a], "segment",
+                                               "segment_free"))
+            segs[a] = i
+        elif c == a_segfree:
+            segs.pop(a, None)
+
+
+def _duplicate(src: str, dev: int, what: str, i: int, a: int, n: int, first: int, kind: str, free: str) -> str:
+    return (f"{src}: malformed snapshot: device {dev} {what} #{i} of the kept entries (address 0x{a:x}, {n} bytes): "
+            f"the {kind} at that address is live, allocated by kept entry #{first} with no {free} between; "
+            f"the caching allocator never hands out a live address twice")
+
+
 def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig | None, src: str) -> Trace:
     dev = _pick_device(snap, device, src)
     config = config or AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
@@ -272,14 +326,14 @@ def _trace_from_snapshot(snap: dict, device: int | None, config: AllocatorConfig
             # (torch/csrc/cuda/memory_snapshot.cpp: TraceEntry::OOM writes device_free_s instead of addr_s)
             addr = (g("device_free") if act == OOM and "device_free" in e else g("addr")) or 0
             append(make((act, addr, g("size") or 0, g("stream") or 0, g("time_us") or 0, "")))
-    try:  # every number must be a non-negative integer (array raises TypeError/OverflowError otherwise)
-        for column in range(1, 5):
-            array("Q", map(operator.itemgetter(column), events))
+    try:  # every number must be an int64 >= 0, as the columns hold it (array raises TypeError/OverflowError)
+        if any(min(array("q", map(operator.itemgetter(column), events)), default=0) < 0 for column in range(1, 5)):
+            raise OverflowError
     except (TypeError, OverflowError):
-        bad = next(e for e in events if not all(type(x) is int and x >= 0 for x in e[1:5]))
-        raise SnapshotError(f"{src}: malformed snapshot entry (a {bad.action} entry whose addr/size/stream/time_us "
-                            f"are not all non-negative integers: {tuple(bad[1:5])!r})") from None
+        raise SnapshotError(_bad_number(raw, src, dev)) from None
     events = drop_immediate_request_events(events)
+    _refuse_duplicate_live(bytes(CODE[e.action] for e in events), [e.addr for e in events],
+                           [e.size for e in events], src, dev)
     segments = [_normalize_segment(s, src) for s in snap["segments"] if s.get("device", dev) == dev]
     initial = _rebuild_initial_segments(events, segments, config, src)
     events = _with_pool_markers(events, segments, initial)
@@ -512,6 +566,7 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
         if isinstance(raw, SnapshotEntries):  # load_snapshot_columnar: the compiled reader's columns
             if not raw.lean_ok:
                 return slow()  # its Events: missing or None numbers read as 0 (no error: they were checked)
+            # (no live address allocated twice: the compiled reader declines those, csrc/snapshot_reader.cpp)
             action, addr, size, stream, time_us = drop_immediate_requests(*raw.lean_columns())
             try:
                 initial = _rebuild_initial_segments([], segments, cfg, src, rows=raw.scan_rows())
@@ -535,6 +590,7 @@ def columns_from_snapshot(snap: dict, device: int | None = None, config: Allocat
         if any(c and min(c) < 0 for c in cols):
             return slow()
         codes, addr, size, stream, time_us = drop_immediate_requests(bytes(map(CODE.__getitem__, acts)), *cols)
+        _refuse_duplicate_live(codes, addr, size, src, dev)
         acts = [ACTIONS[c] for c in codes]
         try:
             initial = _rebuild_initial_segments([], segments, cfg, src, rows=zip(acts, addr, size, stream))

@@ -621,14 +621,25 @@ struct Reader {
         size_t m = dev.rows.size();
         auto act_of = [&](size_t i) { return int(entries[dev.rows[i]].code); };
         auto addr_of = [&](size_t i) { return row_addr(entries[dev.rows[i]]); };
-        AddrSet live;
+        AddrSet live, segments;
         i64 K = -1;
+        // A live address allocated again (an alloc with no free_completed since the last alloc there, a
+        // segment_alloc with no segment_free since): the caching allocator never does it, and the replay would
+        // count the block or segment twice. Declined: Python's path (trace.py _refuse_duplicate_live) names
+        // the file and the entry in one line.
         for (size_t i = 0; i < m; ++i) {
             int a = act_of(i);
-            if (a == alloc_code) live.add(uint64_t(addr_of(i)));
-            else if (a == free_code) {
+            if (a == alloc_code) {
+                if (live.contains(uint64_t(addr_of(i)))) decline("a live block's address allocated again");
+                live.add(uint64_t(addr_of(i)));
+            } else if (a == free_code) {
                 if (live.contains(uint64_t(addr_of(i)))) live.discard(uint64_t(addr_of(i)));
                 else K = i64(i);
+            } else if (a == segment_codes[0]) {
+                if (segments.contains(uint64_t(addr_of(i)))) decline("a live segment's address allocated again");
+                segments.add(uint64_t(addr_of(i)));
+            } else if (a == segment_codes[1]) {
+                segments.discard(uint64_t(addr_of(i)));
             }
         }
         auto keep = [&](size_t i) {

@@ -54,6 +54,26 @@ def test_lint_tools_are_pinned():
     assert {_name(d) for d in deps} <= set(pins("lint.txt"))
 
 
+# tox environment -> the constraints file it installs under (None: the newest releases)
+EXPECTED = {"py": "deepspeed.txt", "suite": "deepspeed.txt", "methods-mid": "deepspeed.txt",
+            "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "study-sensitivity": "deepspeed.txt",
+            "gpu1-sim": "deepspeed.txt", "gpu-suite": "deepspeed.txt",
+            "colossalai": "colossalai.txt", "colossalai-suite": "colossalai.txt", "lint": "lint.txt",
+            "latest": None}
+
+
+def test_readme_table_names_every_environment_with_its_file():
+    """constraints/README.md's table (| `file` | `env`, `env` (note) |) lists each constrained environment
+    under the file tox installs it with."""
+    listed = {}
+    for line in (ROOT / "constraints" / "README.md").read_text().splitlines():
+        m = re.fullmatch(r"\|\s*`([^`]+\.txt)`\s*\|(.*)\|\s*", line)
+        if m:
+            for env in re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", m.group(2))):
+                listed[env] = m.group(1)
+    assert listed == {env: f for env, f in EXPECTED.items() if f}, "constraints/README.md's table"
+
+
 def test_every_tox_environment_installs_under_its_constraints_file():
     cfg = tox()
 
@@ -66,10 +86,7 @@ def test_every_tox_environment_installs_under_its_constraints_file():
             return found[-1].strip()  # the last assignment wins over an inherited {[testenv]setenv}
         return constraint("testenv") if section != "testenv" else None
 
-    expected = {"py": "deepspeed.txt", "suite": "deepspeed.txt", "methods-mid": "deepspeed.txt",
-                "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "study-sensitivity": "deepspeed.txt",
-                "colossalai": "colossalai.txt", "colossalai-suite": "colossalai.txt", "lint": "lint.txt",
-                "latest": None}
+    expected = EXPECTED
     envs = {s.split(":", 1)[1] for s in cfg.sections() if s.startswith("testenv:")} | {"py"}
     assert envs == set(expected), "a tox environment without a line here: say which constraints it installs under"
     for env, file in expected.items():

@@ -467,12 +467,17 @@ def check_writable(path: str | Path) -> str | None:
         return (f"{p}: baselines cannot be written: directory {d}: {exc.strerror or exc} "
                 "(--rlhfmem-update-baselines needs a writable baselines directory with room for the file)")
     finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        _unlink_quietly(tmp)
     return None
+
+
+def _unlink_quietly(path: str | None) -> None:
+    """Remove the temporary file ``path`` (``None``: nothing was made, or it became the budget file)."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def _umask() -> int:
@@ -544,11 +549,7 @@ def update_budget_file(path: str | Path, updates: dict[str, dict], profile: str)
         else:
             bad = None
         finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+            _unlink_quietly(tmp)
         if bad:
             raise BudgetWriteError(bad)
     return summary

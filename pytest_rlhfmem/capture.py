@@ -7,7 +7,8 @@ fake-CUDA route's worker (``fakecuda/worker.py``) are its callers: :class:`RankC
 CUDA anchored to the real trace) and writes the rank's files.
 
 Files written in ``out_dir`` (read by ``rlhf/launch.py: aggregate``): ``progress-rank<R>.json`` at the
-start and at each phase change (pid, phase, host RSS: what a hung or killed rank leaves behind),
+start and at each phase change (pid, phase, host RSS, on CUDA the peaks so far: what a hung or killed rank
+leaves behind),
 ``result-rank<R>.json`` at the end (also after an exception, with its phase and the memory up to it) and
 ``trace-rank<R>.rlhftrace`` (the program's own trace, for ``rlhfmem advise``).
 """
@@ -138,8 +139,21 @@ class RankCapture:
         self._progress = self.out_dir / f"progress-rank{self.rank}.json"
 
     def progress(self, phase: str) -> None:
-        _write_json(self._progress, {"rank": self.rank, "pid": os.getpid(), "phase": phase,
-                                     "host_rss": current_rss(), "time": time.time()})
+        """Write ``progress-rank<R>.json``: pid, ``phase``, host RSS (bytes, measured) and time; on CUDA also
+        the caching allocator's ``peak_reserved`` / ``peak_allocated`` so far (bytes, measured:
+        ``torch.cuda.memory_stats()``'s ``reserved_bytes.all.peak`` / ``allocated_bytes.all.peak``, which the
+        recorder never resets), what a rank killed or hung later leaves as its device figures."""
+        prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
+        if self.device == "cuda":
+            try:
+                import torch
+
+                stats = torch.cuda.memory_stats()
+                prog |= {"peak_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
+                         "peak_allocated": int(stats.get("allocated_bytes.all.peak", 0))}
+            except (ImportError, RuntimeError):
+                pass
+        _write_json(self._progress, prog)
 
     def start(self):
         """Start recording and make the recorder the public API's active handle; returns it (the

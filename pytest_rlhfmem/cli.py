@@ -1,7 +1,9 @@
 """``rlhfmem``: replay snapshots, run one PPO iteration, diff results, plot Figure 1.
 
 Argument and input errors print one line ``rlhfmem: error: ...`` and exit 2; never a traceback. A reader that
-closes the pipe early (``rlhfmem diff A B | head``) ends the command quietly with status 141.
+closes the pipe early (``rlhfmem diff A B | head``) ends the command quietly with status 141. SIGINT, SIGTERM or
+SIGHUP during ``run`` or ``capture`` stops every process of the run, prints one line (each rank's phase, the work
+directory) and exits 128 + the signal's number (130, 143, 129).
 """
 
 from __future__ import annotations
@@ -175,8 +177,16 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with the project's error form: one line ``rlhfmem: error: argument --X: ...`` and exit
+    status 2 (argparse's own prints the usage first). Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):  # noqa: ANN201 - argparse's signature (NoReturn)
+        self.exit(2, f"rlhfmem: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlhfmem", description=__doc__.splitlines()[0])
+    p = Parser(prog="rlhfmem", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("replay", help="replay a CUDA memory snapshot through the allocator model")
@@ -249,7 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"rlhfmem: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # rlhf/launch.py's RunInterrupted: the run's processes are already stopped
+        if hasattr(exc, "exit_status"):
+            print(f"rlhfmem: {exc}", file=sys.stderr)
+            return exc.exit_status
         return 130
     except BrokenPipeError:  # `rlhfmem diff ... | head`: the reader left; say nothing more, as cat would
         _silence_stdout()

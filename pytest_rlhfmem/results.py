@@ -54,9 +54,11 @@ class IterationResult:
         mem = f.get("memory_so_far") or {}
         mem_s = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}" for k, v in mem.items() if v is not None)
         label = " (simulated)" if f.get("simulated") else ""
-        lines = [f"{self.scenario_id}: rank {f.get('rank')} failed in phase {f.get('phase')!r}: "
-                 f"{f.get('error')}: {f.get('message')}",
-                 f"memory so far{label}: {mem_s or 'unknown'}"]
+        who = (f"rank {f['rank']} failed in phase {f.get('phase')!r}" if f.get("rank") is not None else
+               "the launcher failed" + (f" in phase {f['phase']!r}" if f.get("phase") else ""))
+        lines = [f"{self.scenario_id}: {who}: {f.get('error')}: {f.get('message')}"]
+        if f.get("rank") is not None or mem_s:
+            lines.append(f"memory so far{label}: {mem_s or 'unknown'}")
         for other in self.data.get("failures", [])[1:]:
             lines.append(f"also rank {other['rank']} in phase {other['phase']!r}: {other['error']}")
         if self.data.get("log_tail"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments
+from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments, seconds
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
 from ..rlhf.scenario import DEVICES
 
@@ -36,7 +36,7 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
                         "cuBLAS handle; 188MiB on the GPU of the wedson recordings: docs/allocator-model.md)")
     c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
-    c.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    c.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S,
                    help="seconds before every process is killed and the run reported as hung")
     c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key, what "
                    "rlhfmem diff pairs); default: the program without its arguments (the script's path or "

@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..rlhf.launch import RunInterrupted, interruptible
 from ..rlhf.scenario import Scenario
 
 DEFAULT_TIMEOUT_S = 3600.0
@@ -40,7 +41,8 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
     Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
     without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
     is a result with ``status: failed``; a worker that dies or exceeds ``timeout`` seconds raises
-    :class:`FakeCudaRunError` (its process group is killed first). A work directory this function made
+    :class:`FakeCudaRunError` (its process group is killed first); SIGINT, SIGTERM or SIGHUP meanwhile kills it
+    and raises :class:`~pytest_rlhfmem.rlhf.launch.RunInterrupted`. A work directory this function made
     (no ``work_dir``) is removed after a run whose results are all ``ok``, unless ``keep_work``; a failed
     run keeps it (its log is named in the error).
     """
@@ -83,7 +85,7 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
         env[ENV_RECORD_STREAM] = record_stream_mode(record_stream)
     log = work / f"{name}.log"
     t0 = time.perf_counter()
-    with open(log, "wb") as fh:
+    with open(log, "wb") as fh, interruptible():
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -91,6 +93,10 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise FakeCudaRunError(f"{scenario.id}: timed out after {timeout:.0f} s; log {log}") from None
+        except RunInterrupted as exc:  # SIGINT/SIGTERM/SIGHUP: the worker (its own session) goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise exc.note(work, {}) from None
     wall = time.perf_counter() - t0
     if not out.exists():
         tail = log.read_text(errors="replace")[-3000:]

@@ -13,6 +13,34 @@ if TYPE_CHECKING:
     from .launch import Nodes
 
 
+def seconds(text: str) -> float:
+    """argparse type of ``--timeout``: a finite number of seconds > 0 (raises ``ArgumentTypeError``, which
+    argparse prints as one line naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed values are a number of seconds > 0")
+    return value
+
+
+def count(minimum: int, maximum: int | None = None):  # noqa: ANN201 - an argparse type
+    """argparse type of an integer option in ``minimum .. maximum`` (``maximum`` None: no bound)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            allowed = f"an integer >= {minimum}" if maximum is None else f"an integer {minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"{text!r}: allowed values are {allowed}")
+        return value
+
+    parse.__name__ = "count"
+    return parse
+
+
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="run one PPO iteration in fresh torchrun workers and print per-phase memory")
     r.add_argument("--framework", default="deepspeed-chat", help=f"one of: {', '.join(FRAMEWORKS)}")
@@ -24,11 +52,14 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--world-size", type=int, default=None,
                    help="ranks in all (default: --nnodes x --nproc-per-node when given, else 2)")
     r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
-    r.add_argument("--batch-size", type=int, default=None)
+    r.add_argument("--batch-size", type=count(1), default=None, help="prompts per rank (an integer >= 1; default: "
+                   "the model pair's)")
     r.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
                    help="model precision (default: the recipe's GPU precision, fp16 for DeepSpeed-Chat, on any CPU; "
                         "ColossalChat's CPU runs fp32); a non-default dtype is part of the scenario id")
-    r.add_argument("--timeout", type=float, default=900.0, help="seconds before the run is killed as hung")
+    r.add_argument("--timeout", type=seconds, default=900.0,
+                   help="seconds (> 0) the whole run may take: the wait for DeepSpeed's op-build lock, the JIT "
+                        "builds and the iteration; past it every process is killed and the run reported as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     r.add_argument("--work-dir", default=None, help="the ranks' files go here (default: a new temporary directory; "
@@ -50,14 +81,14 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-node (torchrun's options, passed through; docs/multi-node.md)")
     g.add_argument("--nnodes", default=None, help="nodes, one agent each (a fixed count: no MIN:MAX range)")
     g.add_argument("--nproc-per-node", default=None, help="ranks per node (default: world size / nnodes)")
-    g.add_argument("--node-rank", type=int, default=None,
+    g.add_argument("--node-rank", type=count(0), default=None,
                    help="this node, 0..nnodes-1; node rank 0 waits for every rank and prints and writes the result")
     g.add_argument("--rdzv-backend", default=None, help="static (torchrun's default), c10d, etcd, etcd-v2")
     g.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the same on every node")
     g.add_argument("--rdzv-id", default=None, help="the job's id, the same on every node")
     g.add_argument("--rdzv-conf", default=None, metavar="K=V,...")
     g.add_argument("--master-addr", default=None, help="static rendezvous: node rank 0's address")
-    g.add_argument("--master-port", type=int, default=None, help="static rendezvous: node rank 0's port")
+    g.add_argument("--master-port", type=count(1, 65535), default=None, help="static rendezvous: node rank 0's port")
     g.add_argument("--local-addr", default=None, help="this node's address, as the others reach it")
 
 
@@ -129,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..timing import run_rounds
     from .scenario import Scenario, ScenarioError
 
-    overrides = {"batch_size": args.batch_size} if args.batch_size else {}
+    overrides = {"batch_size": args.batch_size} if args.batch_size is not None else {}
     if args.dtype:
         overrides["dtype"] = args.dtype
     if args.group_size is not None:
@@ -161,9 +192,10 @@ def _run(args: argparse.Namespace) -> int:
     where = f" ({nodes.nnodes} nodes x {scenario.world_size // nodes.nnodes})" if nodes.multi_node else ""
     print(f"{scenario.id} on {result['device']} x{scenario.world_size}{where} ({label})")
     host = result.get("host") or {}
-    print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
-          f"anonymous RSS: {host.get('anon_method')}; "
-          f"pinned: {host.get('pinned_method')}")
+    if host.get("rss_method"):  # no rank wrote its result: no method to name
+        print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
+              f"anonymous RSS: {host.get('anon_method')}; "
+              f"pinned: {host.get('pinned_method')}")
     if args.json_out:
         from ..memory.trace_io import write_result_json
 

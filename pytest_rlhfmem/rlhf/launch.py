@@ -1,9 +1,13 @@
 """Run one scenario in fresh worker processes with torch's elastic launcher; gather the ranks.
 
 ``torchrun --standalone`` (a free rendezvous port on localhost) starts N ranks of ``worker.py`` (gloo on
-CPU, nccl on CUDA). The whole run has a timeout; on expiry torchrun gets SIGTERM (it kills its workers'
-process groups), then every process group still alive gets SIGKILL, so nothing is left behind. A rank
-that raised, ran out of memory, or hung becomes a structured failure: rank, phase, error, memory so far.
+CPU, nccl on CUDA). The whole run has a timeout (the wait for DeepSpeed's op-build lock and the JIT builds
+included); on expiry torchrun gets SIGTERM (it kills its workers' process groups), then every process group
+still alive gets SIGKILL, so nothing is left behind. SIGINT, SIGTERM and SIGHUP to this process while a run's
+processes are alive do the same within seconds and raise :class:`RunInterrupted` (each rank's phase, the work
+directory). torchrun's own per-run directories (``--log-dir``: its error files, ``torchelastic_*``) go under
+the run's work directory. A rank that raised, ran out of memory, or hung becomes a structured failure: rank,
+phase, error, memory so far; the rank whose process died first comes first.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -113,15 +120,19 @@ RECORDER_OP = "the CPU allocation recorder"  # memory/cpu_recorder.py, JIT-built
 _BUILDING = "rlhfmem: building "  # the build script's line before each op: says which one failed
 
 
-def prebuild_ops(device: str, ops: list[str]) -> float:
+def prebuild_ops(device: str, ops: list[str], timeout: float = 1800.0) -> float:
     """Build DeepSpeed's JIT ops ``ops`` (:func:`jit_ops`; and, on CPU, the allocation recorder) once, under
     a file lock, in a child process, before ranks start: two ranks building the same op at once race.
     Cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``); a warm call takes about a second.
 
+    ``timeout`` (seconds) bounds the wait for the lock (``$XDG_CACHE_HOME/pytest-rlhfmem/ds-ops.lock``, which
+    every run of every environment of this user shares) and the builds together.
+
     Returns the seconds the builds took (the lock's wait excluded): a first build of FusedAdam or
     ``transformer_inference`` on CUDA takes minutes. Raises :class:`ScenarioError`, one line naming the op, the
     last line of its error and what it needs (on CUDA: nvcc, ``CUDA_HOME``; pip's torch brings neither), when a
-    build fails or runs past 30 minutes."""
+    build fails or runs past ``timeout``; one line naming the lock file when another run holds it past
+    ``timeout``."""
     from filelock import FileLock
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
@@ -139,14 +150,25 @@ def prebuild_ops(device: str, ops: list[str]) -> float:
     if device == "cpu":
         code += (f"print({_BUILDING + RECORDER_OP!r}, file=sys.stderr, flush=True)\n"
                  "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nload_recorder()\n")
-    with FileLock(str(cache / "ds-ops.lock")):
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([sys.executable, "-c", code], env=_worker_env(device, 1), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, timeout=1800)
-        except subprocess.TimeoutExpired:
-            raise ScenarioError(f"building DeepSpeed's ops {', '.join(ops)} ran past 30 minutes") from None
-        seconds = time.perf_counter() - t0
+    from filelock import Timeout
+
+    lock, t_wait = cache / "ds-ops.lock", time.perf_counter()
+    try:
+        with FileLock(str(lock), timeout=timeout):
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, "-c", code], env=_worker_env(device, 1),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      timeout=max(1.0, timeout - (t0 - t_wait)))
+            except subprocess.TimeoutExpired:
+                what = ", ".join(ops + ([RECORDER_OP] if device == "cpu" else []))
+                raise ScenarioError(f"building {what} (JIT, before the ranks start) ran past the {timeout:g} s "
+                                    f"timeout: give a longer --timeout for a first build") from None
+            seconds = time.perf_counter() - t0
+    except Timeout:
+        raise ScenarioError(f"waited the whole {timeout:g} s timeout for the JIT-build lock {lock}, held by another "
+                            f"run building DeepSpeed's ops: run again when it is done, or give a longer "
+                            f"--timeout") from None
     if proc.returncode != 0:
         raise ScenarioError(op_build_failure(proc.stderr.decode(errors="replace"), device))
     return seconds
@@ -229,9 +251,18 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     if nodes.multi_node:
         _check_fresh_work(work, nodes)
     t0 = time.perf_counter()
-    op_build_s = round(prebuild_ops(device, jit_ops(scenario, device)), 3)  # kept in the result: JIT builds' time
+    try:  # kept in the result: JIT builds' time; the lock's wait and the builds count against the timeout
+        with interruptible():
+            op_build_s = round(prebuild_ops(device, jit_ops(scenario, device), timeout), 3)
+    except (ScenarioError, RunInterrupted) as exc:
+        if not work_dir:  # nothing ran in it yet
+            shutil.rmtree(work, ignore_errors=True)
+        if isinstance(exc, RunInterrupted):
+            exc.note(None, {}, removed=not work_dir)
+        raise
+    timeout_left = max(1.0, timeout - (time.perf_counter() - t0))
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(scenario.world_size),
-           "--max-restarts=0", "--monitor-interval=0.5",
+           "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={work / TORCHRUN_LOG_DIR}",
            "-m", "pytest_rlhfmem.rlhf.worker", "--scenario", json.dumps(scenario.to_dict()),
            "--out-dir", str(work), "--device", device]
     if snapshot_dir:
@@ -242,11 +273,11 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     log_path = work / "launcher.log"
     env = _worker_env(device, scenario.get("threads", 1))
     if not nodes.multi_node:
-        returncode, timed_out = run_process_group(cmd, log_path, env, timeout, work)
+        returncode, timed_out = run_process_group(cmd, log_path, env, timeout_left, work)
         return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,
                          log_path) | {"op_build_s": op_build_s}
     deadline = time.monotonic() + timeout + 30.0  # another agent's own timeout, its SIGTERM grace and report
-    returncode, timed_out = _run_agent(cmd, env, timeout, work, nodes)
+    returncode, timed_out = _run_agent(cmd, env, timeout_left, work, nodes)
     if nodes.node_rank != 0:
         return _agent_result(scenario, device, nodes, returncode, timed_out, work) | {"op_build_s": op_build_s}
     agents = _await_agents(work, nodes, scenario.world_size, deadline)
@@ -268,22 +299,128 @@ def finish_work(result: dict, keep: bool = False) -> Path | None:
     return None
 
 
+TORCHRUN_LOG_DIR = "torchelastic"  # torchrun's --log-dir under the work directory: its per-run tree, error files
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+INTERRUPT_GRACE_S = 5.0  # after SIGINT/SIGTERM/SIGHUP: torchrun's time to stop its workers before SIGKILL
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP reached this process during a run; every process of the run was stopped before
+    this was raised (torchrun's group SIGTERM, then after :data:`INTERRUPT_GRACE_S` SIGKILL to every process
+    group of the run still alive). A ``KeyboardInterrupt``, so pytest ends its session as on Ctrl-C.
+
+    ``signum``: the signal. ``phases``: ``{rank: phase}`` each rank was in (from its progress file; ranks that
+    had not started recording are absent). ``work``: the run's work directory, kept (its launcher log and
+    ranks' files), or ``None``. ``exit_status``: ``128 + signum`` (130 SIGINT, 143 SIGTERM, 129 SIGHUP), what a
+    shell reports for a process the signal ended."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum, self.phases, self.work, self.removed = signum, {}, None, False
+
+    def note(self, work: Path | None, phases: dict[int, str], removed: bool = False) -> RunInterrupted:
+        self.work, self.phases, self.removed = work, phases, removed
+        return self
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        where = ("; ".join(f"rank {r} in phase {p!r}" for r, p in sorted(self.phases.items()))
+                 or "no rank had reported its phase")
+        work = (f"work directory kept: {self.work}" if self.work else
+                "work directory removed" if self.removed else "")
+        return f"interrupted by {name}: every process of the run was stopped ({where})" + (f"; {work}" if work else "")
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """While inside (in the main thread): SIGINT, SIGTERM and SIGHUP raise :class:`RunInterrupted` instead of
+    ending this process with the run's processes left behind. A signal this process ignores (``nohup``'s
+    SIGHUP) stays ignored; the handlers are restored on leaving. Elsewhere than the main thread: no change
+    (Python runs signal handlers in the main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise RunInterrupted(signum)
+
+    old = {}
+    for s in INTERRUPT_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            old[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
 def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float, work: Path,
                       cwd: str | Path | None = None) -> tuple[int, bool]:
     """Run ``cmd`` (a torchrun line or a user's command) in its own session, stdout and stderr to
     ``log_path``; at ``timeout`` seconds terminate the whole group (SIGTERM, then SIGKILL after 15 s).
     Afterwards kill any worker group still alive (each rank announces its pid in ``work``'s progress
-    files). Returns ``(returncode, timed_out)``; raises ``OSError`` when ``cmd`` cannot start."""
+    files; torchrun starts each worker in a session of its own, found here as the command's descendants).
+    Returns ``(returncode, timed_out)``; raises ``OSError`` when ``cmd`` cannot start, and
+    :class:`RunInterrupted` (after stopping every process the same way, SIGKILL after
+    :data:`INTERRUPT_GRACE_S`) when SIGINT, SIGTERM or SIGHUP reaches this process meanwhile."""
     timed_out = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd)
+    with open(log_path, "wb") as log, interruptible():
+        proc = None
         try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                    cwd=cwd)
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _terminate(proc)
+            _note_alive_at_timeout(work)
+            _terminate(proc, 15.0)
+        except RunInterrupted as exc:
+            for s in INTERRUPT_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    signal.signal(s, signal.SIG_IGN)
+            if proc is not None:
+                _terminate(proc, INTERRUPT_GRACE_S)
+            _kill_leftover_workers(work)
+            raise exc.note(work, rank_phases(work)) from None
     _kill_leftover_workers(work)
     return proc.returncode, timed_out
+
+
+ALIVE_AT_TIMEOUT = "alive-at-timeout.json"  # in the work directory: the ranks whose process outlived the timeout
+
+
+def _note_alive_at_timeout(work: Path) -> None:
+    """At the timeout, before anything is killed: write the ranks whose process is still running (their
+    progress files' pids) to ``work/ALIVE_AT_TIMEOUT``, so a rank that wrote its result and then never exited
+    is named (:func:`aggregate`), not the launcher."""
+    alive = []
+    for p in work.glob("progress-rank*.json"):
+        try:
+            prog = json.loads(p.read_text())
+            stat = Path(f"/proc/{int(prog['pid'])}/stat").read_text()
+            if stat[stat.rindex(")") + 2] != "Z":
+                alive.append(int(prog["rank"]))
+        except (ValueError, KeyError, TypeError, OSError):
+            pass
+    (work / ALIVE_AT_TIMEOUT).write_text(json.dumps(sorted(alive)))
+
+
+def rank_phases(work: Path) -> dict[int, str]:
+    """``{rank: phase}`` from the ranks' progress files in ``work`` (``capture.py``: written at each phase
+    change): where each rank was when the run stopped."""
+    phases = {}
+    for p in work.glob("progress-rank*.json"):
+        try:
+            prog = json.loads(p.read_text())
+            phases[int(prog["rank"])] = prog["phase"]
+        except (ValueError, KeyError, TypeError, OSError):
+            pass
+    return phases
 
 
 FRAMEWORK_PACKAGES = {
@@ -302,16 +439,41 @@ def _check_framework_installed(framework: str) -> None:
         raise ScenarioError(f"framework {framework!r} needs the {package} package, which this environment lacks: {how}")
 
 
-def _terminate(proc: subprocess.Popen) -> None:
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (children, theirs, ...), from ``/proc/<pid>/stat``'s parent pid: torchrun's
+    workers run in sessions of their own, out of reach of a signal to torchrun's group."""
+    parent = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+            parent[int(d.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parent.items() if pp == p} - found
+        found |= kids
+        todo.extend(kids)
+    return found
+
+
+def _terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM to ``proc``'s group (torchrun forwards it to its workers' groups), ``grace`` seconds to exit, then
+    SIGKILL to its group and to the group of every descendant (each worker leads a session of its own)."""
+    tree = _descendants(proc.pid)
     try:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun forwards it to its workers' process groups
-        proc.wait(timeout=15)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    own = os.getpgrp()
+    for pid in [proc.pid, *sorted(tree | _descendants(proc.pid))]:
+        try:
+            group = os.getpgid(pid)
+            os.killpg(group, signal.SIGKILL) if group != own else os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     proc.wait()
 
 
@@ -323,6 +485,31 @@ def _kill_leftover_workers(work: Path) -> None:
             os.killpg(pid, signal.SIGKILL)
         except (ValueError, KeyError, OSError):
             pass
+
+
+PROGRESS_PEAKS = ("peak_reserved", "peak_allocated")  # CUDA ranks' progress files: measured peaks so far
+
+
+def _exit_hang_failure(ranks: list[dict], work: Path, timeout: float) -> dict:
+    """Every rank wrote its result without an exception, yet the launcher was still running at the timeout:
+    name the first rank whose process had not exited (``ALIVE_AT_TIMEOUT``), with its phase at exit and its
+    peaks; else the launcher itself (rank ``None``, phase ``exit``). The figures are complete either way."""
+    try:
+        alive = json.loads((work / ALIVE_AT_TIMEOUT).read_text())
+    except (OSError, ValueError):
+        alive = []
+    res = next((r for r in ranks if r["rank"] in alive), None)
+    if res is None:
+        return {"rank": None, "phase": "exit", "error": "LauncherHang",
+                "message": f"every rank wrote its result and exited, but the launcher had not exited by the "
+                           f"{timeout:g} s timeout; it was killed (the figures are complete)"}
+    others = [r for r in alive if r != res["rank"]]
+    return {"rank": res["rank"], "phase": res.get("exit_phase") or "exit", "error": "ExitHang",
+            "message": f"wrote its result, then had not exited by the {timeout:g} s timeout; its process group was "
+                       f"killed (the figures are complete)" + (f"; also still running: ranks {others}" if others
+                                                               else ""),
+            "memory_so_far": {k: res["total"][k] for k in ("peak_reserved", "peak_allocated")},
+            "simulated": res["simulated"]}
 
 
 def _exit_status_failure(ranks: list[dict], returncode: int | None, logs: list[Path]) -> dict:
@@ -344,6 +531,51 @@ def _exit_status_failure(ranks: list[dict], returncode: int | None, logs: list[P
             "simulated": res["simulated"]}
 
 
+def torchrun_failures(logs: list[Path]) -> tuple[dict[int, int], int | None]:
+    """torchrun's own account of a failed run, from its ``ChildFailedError`` report in the agents' ``logs``
+    (``torch/distributed/elastic/multiprocessing/errors/__init__.py``: the ``Failures:`` and ``Root Cause
+    (first observed failure):`` blocks, one ``rank : R (local_rank: L)`` / ``exitcode : C`` pair per failed
+    worker). Returns ``({rank: exitcode}, root cause rank)``: a negative exit code is the signal that ended the
+    worker (``-9``: SIGKILL); ``({}, None)`` when no log has the report."""
+    codes, root = {}, None
+    pair = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+    for log_path in logs:
+        if not log_path.exists():
+            continue
+        text = log_path.read_text(errors="replace")
+        at = text.rfind("Root Cause (first observed failure):")
+        for m in pair.finditer(text):
+            codes[int(m.group(1))] = int(m.group(2))
+            if at >= 0 and m.start() > at and root is None:
+                root = int(m.group(1))
+    return codes, root
+
+
+def _exit_description(code: int | None) -> tuple[str | None, str]:
+    """``(signal name or None, words)`` for a worker's exit code as torchrun reports it."""
+    if code is None:
+        return None, ""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return name, f"killed by {name} (signal {-code})"
+    return None, f"exited with code {code}"
+
+
+def culprit_order(failure: dict) -> tuple:
+    """Sort key of a run's failures, the culprit first: a rank killed by a signal other than SIGTERM with no
+    result of its own (SIGKILL from the OOM killer or a user, SIGSEGV, SIGABRT: no peer's failure causes
+    those); then the earliest exception (a peer's "connection reset" comes after its cause); then a rank
+    that died without a result, torchrun's root cause first; ranks torchrun stopped with SIGTERM (bystanders
+    of another rank's failure) last."""
+    sig, root = failure.get("signal"), failure.get("root_cause", False)
+    return (0 if sig and sig != "SIGTERM" else 1, 1 if sig == "SIGTERM" and not root else 0,
+            failure.get("time") is None, failure.get("time") or 0.0, not root, failure["rank"] is None,
+            failure["rank"] or 0)
+
+
 def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | None, timed_out: bool,
               timeout: float, wall_s: float, log_path: Path, agents: dict[int, dict | None] | None = None,
               nodes: Nodes | None = None) -> dict:
@@ -363,6 +595,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
     if nodes is not None:
         codes = {nodes.node_rank: returncode} | {n: (a["returncode"] if a else "no report") for n, a in agents.items()}
         launchers = " (agents' exit codes: " + ", ".join(f"node {n}: {c}" for n, c in sorted(codes.items())) + ")"
+    codes, root_rank = torchrun_failures(logs) if returncode != 0 else ({}, None)
     ranks, failures = [], []
     for r in range(scenario.world_size):
         res_p, prog_p = work / f"result-rank{r}.json", work / f"progress-rank{r}.json"
@@ -377,20 +610,26 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
                                  "simulated": res["simulated"]})
         else:
             prog = json.loads(prog_p.read_text()) if prog_p.exists() else {}
+            sig, died = _exit_description(codes.get(r)) if not timed_out else (None, "")
+            root = r == root_rank and not timed_out
             why = (f"hung: no result after the {timeout:g} s timeout; the process group was killed" if timed_out
-                   else f"exited without a result (launcher exit code {returncode}){launchers}")
+                   else f"{died or 'exited'} without a result"
+                        + ("; torchrun's first observed failure" if root else "")
+                        + f" (launcher exit code {returncode}){launchers}")
+            so_far = {"host_rss": prog.get("host_rss")} | {k: prog[k] for k in PROGRESS_PEAKS if k in prog}
             failures.append({"rank": r, "phase": prog.get("phase", "startup"),
                              "error": "Hang" if timed_out else "Crash", "message": why,
-                             "memory_so_far": {"host_rss": prog.get("host_rss")}})
+                             "memory_so_far": so_far, **({"signal": sig} if sig else {}),
+                             **({"root_cause": True} if root else {})})
     if ranks and not failures and returncode != 0 and not timed_out and len(ranks) == scenario.world_size:
         failures.append(_exit_status_failure(ranks, returncode, logs))
+    if ranks and not failures and timed_out and len(ranks) == scenario.world_size:
+        failures.append(_exit_hang_failure(ranks, work, timeout))
     if silent and not failures:  # every rank finished, yet an agent never said how it ended
         failures.append({"rank": None, "phase": None, "error": "NoReport",
                          "message": f"node {silent[0]}'s agent wrote no report (node{silent[0]}/agent.json in "
                                     f"{work}) before the deadline{launchers}"})
-    # The root cause first: the earliest exception; ranks that died without a result (killed by torchrun
-    # after another rank failed, or hung) last. A peer's "connection reset" comes after the cause.
-    failures.sort(key=lambda f: (f.get("time") is None, f.get("time") or 0.0, f["rank"] is None, f["rank"] or 0))
+    failures.sort(key=culprit_order)  # the culprit first, then the bystanders
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..memory.capture import history_settings
-from ..rlhf.launch import DEFAULT_TIMEOUT_S, aggregate, command_env, resolve_device, run_process_group
+from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, resolve_device,
+                           run_process_group)
 from ..rlhf.scenario import ScenarioError
 from . import rank as R
 
@@ -260,7 +261,8 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
         run_env["RLHFMEM_SIM_CUDA_LIBRARY"] = sim_cuda_library()
     log_path = work / "command.log"
     try:
-        returncode, timed_out = run_process_group(argv, log_path, run_env, timeout, work, cwd=cwd)
+        returncode, timed_out = run_process_group(_with_log_dir(argv, work) if is_torchrun else argv, log_path,
+                                                  run_env, timeout, work, cwd=cwd)
     except OSError as exc:
         raise CommandError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
     started = sorted(work.glob("claim-rank*"))
@@ -273,7 +275,8 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
     ident = R.CommandIdentity(id, tuple(argv), n)
     result = aggregate(ident, device, work, returncode, timed_out, timeout, time.perf_counter() - t0, log_path)
     if (not timed_out and len(result["ranks"]) == n and not any(r["events"] for r in result["ranks"])
-            and not any(r.get("error") for r in result["ranks"])):  # a rank that failed says why itself
+            # a rank whose own finish step failed (its trace never read, so no events) says why itself
+            and not any((r.get("error") or {}).get("phase") == "finish" for r in result["ranks"])):
         # torch was imported, but no rank allocated a byte of device memory (simulated or real)
         tail = _last_line(log_path)
         if returncode != 0:
@@ -283,6 +286,16 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
     result["command"] = argv
     result["log"] = str(log_path)
     return result
+
+
+def _with_log_dir(argv: list[str], work: Path) -> list[str]:
+    """A torchrun line with ``--log-dir`` under ``work`` (``rlhf/launch.py``'s ``TORCHRUN_LOG_DIR``), unless it
+    names its own: without one torchrun makes a ``torchelastic_*`` tree in the temporary directory and never
+    removes it (``torch/distributed/elastic/multiprocessing/api.py``: ``DefaultLogsSpecs``)."""
+    if any(a.partition("=")[0] in ("--log-dir", "--log_dir") for a in argv):
+        return argv
+    i = _torchrun_args_start(argv)
+    return [*argv[:i], f"--log-dir={work / TORCHRUN_LOG_DIR}", *argv[i:]]
 
 
 def _last_line(path: Path) -> str:

@@ -7,8 +7,8 @@ fake-CUDA route's worker (``fakecuda/worker.py``) are its callers: :class:`RankC
 CUDA anchored to the real trace) and writes the rank's files.
 
 Files written in ``out_dir`` (read by ``rlhf/launch.py: aggregate``): ``progress-rank<R>.json`` at the
-start and at each phase change (pid, phase, host RSS, on CUDA the peaks so far: what a hung or killed rank
-leaves behind),
+start and at each phase change (pid, phase, host RSS, the device peaks so far: measured on CUDA, simulated on
+CPU and cuda-sim; what a hung or killed rank leaves behind),
 ``result-rank<R>.json`` at the end (also after an exception, with its phase and the memory up to it) and
 ``trace-rank<R>.rlhftrace`` (the program's own trace, for ``rlhfmem advise``).
 """
@@ -139,10 +139,17 @@ class RankCapture:
         self._progress = self.out_dir / f"progress-rank{self.rank}.json"
 
     def progress(self, phase: str) -> None:
-        """Write ``progress-rank<R>.json``: pid, ``phase``, host RSS (bytes, measured) and time; on CUDA also
-        the caching allocator's ``peak_reserved`` / ``peak_allocated`` so far (bytes, measured:
-        ``torch.cuda.memory_stats()``'s ``reserved_bytes.all.peak`` / ``allocated_bytes.all.peak``, which the
-        recorder never resets), what a rank killed or hung later leaves as its device figures."""
+        """Write ``progress-rank<R>.json``: pid, ``phase``, host RSS (bytes, measured) and time, plus the device
+        figures so far, what a rank killed or hung later leaves as its device figures:
+
+        - CUDA: the caching allocator's ``peak_reserved`` / ``peak_allocated`` (bytes, measured:
+          ``torch.cuda.memory_stats()``'s ``reserved_bytes.all.peak`` / ``allocated_bytes.all.peak``, which the
+          recorder never resets);
+        - CPU and ``cuda-sim`` (recording): ``peak_reserved`` / ``peak_allocated`` (bytes, simulated, with
+          ``"simulated": true``) of the trace recorded so far replayed through the allocator model, advanced by
+          the rows since the last phase change (:meth:`~.memory.capture.Recorder.figures_so_far`), and
+          ``device_rows``, the recorder rows they cover. An error there leaves the figures out (the progress
+          file is written regardless), naming it in ``device_figures_error``."""
         prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
         if self.device == "cuda":
             try:
@@ -153,6 +160,15 @@ class RankCapture:
                          "peak_allocated": int(stats.get("allocated_bytes.all.peak", 0))}
             except (ImportError, RuntimeError):
                 pass
+        elif self.rec is not None and self.capture:
+            try:
+                so_far = self.rec.figures_so_far()
+            except Exception as exc:  # noqa: BLE001 - the progress file must be written; the figures are extras
+                so_far = None
+                prog["device_figures_error"] = _one_line(exc)
+            if so_far is not None:
+                prog |= {"peak_reserved": so_far["peak_reserved"], "peak_allocated": so_far["peak_allocated"],
+                         "simulated": True, "device_rows": so_far["rows"]}
         _write_json(self._progress, prog)
 
     def start(self):

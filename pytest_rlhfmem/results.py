@@ -49,10 +49,18 @@ class IterationResult:
         return self.data[key]
 
     def describe_failure(self) -> str:
-        """One paragraph: which rank failed in which phase, why, and the memory up to then."""
+        """One paragraph: which rank failed in which phase, why, and the memory up to then: the device peaks
+        (``simulated`` on CPU and cuda-sim, as the failure says) and, for a rank that left no result (killed,
+        hung), its progress file's figures: the device peaks at the start of its last phase and its host RSS
+        (measured). Sizes in human units (GiB, MiB)."""
         f = self.data.get("failure") or {}
-        mem = f.get("memory_so_far") or {}
+        mem = dict(f.get("memory_so_far") or {})
+        rss = mem.pop("host_rss", None)  # a rank without a result: its progress file's host RSS, always measured
         mem_s = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}" for k, v in mem.items() if v is not None)
+        if rss is not None:
+            at = f" (at the start of phase {f.get('phase')!r}); " if mem_s else ""
+            mem_s += f"{at}host RSS {format_size(rss)}"
+            mem_s += " (measured)" if f.get("simulated") else ""
         label = " (simulated)" if f.get("simulated") else ""
         who = (f"rank {f['rank']} failed in phase {f.get('phase')!r}" if f.get("rank") is not None else
                "the launcher failed" + (f" in phase {f['phase']!r}" if f.get("phase") else ""))

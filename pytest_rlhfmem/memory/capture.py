@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
 from . import emulation
-from .allocator import SEGMENT_PLACEMENT_KEY
+from .allocator import SEGMENT_PLACEMENT_KEY, AllocatorConfig
 from .driver_va import ABOVE_LAST
 from .events import CUBLAS_WORKSPACE
 from .host import HostMemory
@@ -131,6 +131,7 @@ class Recorder:
     # "cuda-sim": the simulated CUDA device's log (memory/sim_cuda.py: SimCudaRows), read as recorder rows
     row_source: object = None
     flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
+    _so_far: SoFar | None = None  # CPU, cuda-sim: the figures so far, advanced at each progress file
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -427,49 +428,38 @@ class Recorder:
 
     def cpu_events(self, items: list[tuple[int, int, int, int, int]]) -> list[Event]:
         """Turn sorted profiler items into device events, applying the placement annotations."""
-        out: list[Event | None] = []
-        live: dict[int, int] = {}  # ptr -> index of its ALLOC in out
-        host: set[int] = set()  # ptrs whose next free is a host free
-        for t_ns, _seq, kind, a, b in items:
-            t_us = t_ns // 1000
-            if kind == 0:
-                ptr, size = a, b
-                if size > 0:
-                    live[ptr] = len(out)
-                    out.append(Event(ALLOC, ptr, size, 0, t_us))
-                elif ptr in host:
-                    host.discard(ptr)
-                else:
-                    live.pop(ptr, None)
-                    out.append(Event(FREE, ptr, -size, 0, t_us))
-                continue
-            if kind == 2:  # the simulated device's record_stream: the block's FREE comes at a later sync
-                out.append(Event(FREE_REQUESTED, a, b, 0, t_us))
-                continue
-            mkind, payload = self._marks[a]
-            if mkind in (PHASE, PHASE_END, FLUSH):
-                out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
-            elif mkind in (POOL_ENTER, POOL_EXIT):
-                out.append(Event(mkind, payload[0], payload[1], 0, t_us))  # type: ignore[index]
-            elif mkind == "host_resident":
-                for ptr, _n in payload:  # type: ignore[union-attr]
-                    i = live.pop(ptr, None)
-                    if i is not None:
-                        out[i] = None
-                    host.add(ptr)
-            elif mkind == "to_host":
-                for ptr, _n in payload:  # type: ignore[union-attr]
-                    i = live.pop(ptr, None)
-                    if i is not None:
-                        out.append(Event(FREE, ptr, out[i].size, 0, t_us))  # type: ignore[union-attr]
-                        host.add(ptr)
-            elif mkind == "to_device":
-                for ptr, n in payload:  # type: ignore[union-attr]
-                    if ptr in host:
-                        host.discard(ptr)
-                        live[ptr] = len(out)
-                        out.append(Event(ALLOC, ptr, n, 0, t_us))
-        return [e for e in out if e is not None]
+        stream = EventStream(self._marks)
+        stream.feed(items)
+        return [e for e in stream.out if e is not None]
+
+    def figures_so_far(self) -> dict | None:
+        """CPU and ``cuda-sim`` recording: the simulated device figures of the trace recorded up to now (bytes;
+        :class:`SoFar`), advanced from the previous call by the rows since; ``None`` where nothing can be read
+        while recording (CUDA, the profiler fallback, capture off) or before :meth:`start`."""
+        if self.device not in ("cpu", "cuda-sim") or self._ext is None:
+            return None
+        if self._so_far is None:
+            from .allocator import AllocatorConfig
+
+            settings = None
+            placement = getattr(self.row_source, "segment_placement", None)
+            if placement is not None and placement.kind != ABOVE_LAST:
+                settings = {SEGMENT_PLACEMENT_KEY: placement.spec()}
+            workspaces = (lambda: self.row_source.workspace_addresses()) if self.row_source is not None else None
+            self._so_far = SoFar(self._marks, AllocatorConfig.from_snapshot_settings(settings),
+                                 self.cuda_emulation if self.row_source is None else None, workspaces)
+        so_far = self._so_far
+        if self.row_source is not None:  # the simulated device: its log as rows, rebuilt (record_stream's frees)
+            rows = self._ext.rows().tolist()[so_far.rows_fed:]
+        elif hasattr(self._ext, "rows_from"):
+            from array import array
+
+            flat = array("q", self._ext.rows_from(so_far.rows_fed))
+            rows = list(zip(*[iter(flat)] * 5))
+        else:  # a recorder built before rows_from existed
+            return None
+        so_far.feed(rows)
+        return so_far.figures()
 
     # -- CUDA -------------------------------------------------------------------------------------
     def intercept_history(self) -> None:
@@ -494,6 +484,169 @@ class Recorder:
         trace = cuda_trace_with_marks(snap, self._phase_marks_us, device=device)
         self.mark_clock = mark_times(snap, self._phase_marks_us)[1]
         return trace
+
+
+class EventStream:
+    """:meth:`Recorder.cpu_events` fed in pieces: sorted items ``(time_ns, seq, kind, a, b)`` (kind 0 data: pointer
+    ``a``, ``+size`` alloc / ``-size`` free in ``b``; 1 a mark: ``a`` indexes ``marks``; 2 a free requested) become
+    device events in ``out``, the placement annotations applied (a ``host_resident`` annotation removes its
+    tensor's ALLOC from ``out``: ``None`` in its place).
+
+    :meth:`take` hands a reader (:class:`SoFar`) the events so far and empties ``out``. A ``host_resident``
+    annotation of a tensor whose ALLOC was taken cannot remove it: it becomes a FREE at the annotation's time
+    (counted in ``late_host_resident``), as :meth:`Recorder.moved_to_host` would; the whole-run derivation (one
+    feed, nothing taken) removes it."""
+
+    def __init__(self, marks: list) -> None:
+        self.marks = marks
+        self.out: list[Event | None] = []
+        self.live: dict[int, int] = {}  # ptr -> index of its ALLOC in out
+        self.taken: dict[int, int] = {}  # ptr -> bytes: live ALLOCs already taken by the reader
+        self.host: set[int] = set()  # ptrs whose next free is a host free
+        self.late_host_resident = 0
+
+    def take(self) -> list[Event]:
+        """The events since the last take; their live ALLOCs are remembered by size only."""
+        out = self.out
+        for ptr, i in self.live.items():
+            self.taken[ptr] = out[i].size  # type: ignore[union-attr]
+        self.live, self.out = {}, []
+        return [e for e in out if e is not None]
+
+    def _pop(self, ptr: int) -> tuple[int | None, int | None]:
+        """(index in out, None) of ``ptr``'s live ALLOC, (None, bytes) when taken, (None, None) when not live."""
+        i = self.live.pop(ptr, None)
+        return (i, None) if i is not None else (None, self.taken.pop(ptr, None))
+
+    def feed(self, items: Iterable[tuple[int, int, int, int, int]]) -> None:
+        out, live, host, marks = self.out, self.live, self.host, self.marks
+        for t_ns, _seq, kind, a, b in items:
+            t_us = t_ns // 1000
+            if kind == 0:
+                ptr, size = a, b
+                if size > 0:
+                    live[ptr] = len(out)
+                    out.append(Event(ALLOC, ptr, size, 0, t_us))
+                elif ptr in host:
+                    host.discard(ptr)
+                else:
+                    self._pop(ptr)
+                    out.append(Event(FREE, ptr, -size, 0, t_us))
+                continue
+            if kind == 2:  # the simulated device's record_stream: the block's FREE comes at a later sync
+                out.append(Event(FREE_REQUESTED, a, b, 0, t_us))
+                continue
+            mkind, payload = marks[a]
+            if mkind in (PHASE, PHASE_END, FLUSH):
+                out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
+            elif mkind in (POOL_ENTER, POOL_EXIT):
+                out.append(Event(mkind, payload[0], payload[1], 0, t_us))  # type: ignore[index]
+            elif mkind == "host_resident":
+                for ptr, _n in payload:  # type: ignore[union-attr]
+                    i, taken = self._pop(ptr)
+                    if i is not None:
+                        out[i] = None
+                    elif taken is not None:  # already replayed by the reader: it leaves the device now
+                        out.append(Event(FREE, ptr, taken, 0, t_us))
+                        self.late_host_resident += 1
+                    host.add(ptr)
+            elif mkind == "to_host":
+                for ptr, _n in payload:  # type: ignore[union-attr]
+                    i, taken = self._pop(ptr)
+                    if i is not None or taken is not None:
+                        size = out[i].size if i is not None else taken  # type: ignore[union-attr]
+                        out.append(Event(FREE, ptr, size, 0, t_us))
+                        host.add(ptr)
+            elif mkind == "to_device":
+                for ptr, n in payload:  # type: ignore[union-attr]
+                    if ptr in host:
+                        host.discard(ptr)
+                        live[ptr] = len(out)
+                        out.append(Event(ALLOC, ptr, n, 0, t_us))
+
+
+class SoFar:
+    """The simulated device figures of a CPU or ``cuda-sim`` capture up to now, while it runs: what the progress
+    files carry, so that a rank killed later (SIGKILL, the OOM killer) leaves its device figures so far.
+
+    Each :meth:`feed` takes only the recorder rows since the previous one and advances three stages kept alive
+    between calls: the CUDA emulation (:class:`~.emulation.Emulator`: rows whose fate a later row could change
+    wait for the next call), the placement annotations (:class:`EventStream`) and one
+    :class:`~.allocator.CachingAllocatorModel` (``c10/cuda/CUDACachingAllocator.cpp``'s ``DeviceCachingAllocator``;
+    free-running, unlimited capacity, as :func:`~.replay.replay` replays a CPU trace at the end, with the calls
+    ``python_engine.replay_python`` makes per event). A call costs its new rows, never the whole trace.
+    :meth:`figures`: ``peak_reserved`` and ``peak_allocated`` (bytes, simulated) of the rows fed and settled, equal
+    to the end replay's peaks over the same rows, but where a ``host_resident`` annotation names a tensor
+    allocated before an earlier call (:class:`EventStream`: freed at the annotation instead of never counted)."""
+
+    def __init__(self, marks: list, config: AllocatorConfig, cuda_emulation: emulation.EmulationSettings | None,
+                 workspaces: Callable[[], frozenset[int]] | None = None) -> None:
+        from .allocator import CachingAllocatorModel
+
+        self.emulator = emulation.Emulator(marks, cuda_emulation) if cuda_emulation is not None else None
+        self.stream = EventStream(marks)
+        self.model = CachingAllocatorModel(config, capacity=None)
+        self.workspaces = workspaces  # cuda-sim: the device's cuBLAS workspace addresses (named, as in the trace)
+        self.rows_fed = 0
+        self._live: dict[int, object] = {}  # recorded address -> model block
+        self._seq = 0
+
+    def feed(self, rows: list) -> None:
+        """Advance by the recorder ``rows`` since the last call (``(time_ns, ptr, size, kind, on_main)``)."""
+        self.rows_fed += len(rows)
+        if self.emulator is not None:
+            self.emulator.feed(rows)
+            rows = self.emulator.take(self.emulator.settled())
+            names = frozenset(self.emulator.report.workspace_ptrs)
+        else:
+            names = self.workspaces() if self.workspaces is not None else frozenset()
+        seq = self._seq
+        items = [(t, seq + k, ITEM_KIND[kind], ptr, -size if kind == 1 else size)
+                 for k, (t, ptr, size, kind, _main) in enumerate(rows)]
+        self._seq += len(items)
+        self.stream.feed(items)
+        self._replay(self.stream.take(), names)
+
+    def _replay(self, events: list[Event], workspaces: frozenset[int]) -> None:
+        from .allocator import OutOfMemoryError
+
+        model, live = self.model, self._live
+        for ev in events:
+            action = ev.action
+            if action == ALLOC:
+                if ev.addr in workspaces:  # the trace names it CUBLAS_WORKSPACE (_name_workspaces)
+                    model.cublas_handle_created()
+                try:
+                    live[ev.addr] = model.malloc(ev.size, ev.stream)
+                except OutOfMemoryError:
+                    pass
+            elif action == FREE:
+                block = live.pop(ev.addr, None)
+                if block is not None:
+                    model.free(block)
+            elif action == FREE_REQUESTED:
+                block = live.get(ev.addr)
+                if block is not None:
+                    model.request_free(block)
+            elif action == FLUSH:
+                model.release_cached_blocks()
+            elif action == POOL_ENTER:
+                pool_id = (ev.addr, ev.size)
+                if pool_id not in model.graph_pools:
+                    model.create_or_incref_pool(pool_id)
+                model.begin_allocate_to_pool(pool_id)
+            elif action == POOL_EXIT:
+                pool_id = (ev.addr, ev.size)
+                model.end_allocate_to_pool(pool_id)
+                model.release_pool(pool_id)
+
+    def figures(self) -> dict:
+        """``peak_reserved``, ``peak_allocated`` so far (bytes, simulated) and ``rows``: the recorder rows they
+        cover (rows the emulation holds back count with the next call)."""
+        st = self.model.stats
+        held = len(self.emulator.rows) if self.emulator is not None else 0
+        return {"peak_reserved": st.peak_reserved_bytes, "peak_allocated": st.peak_allocated_bytes,
+                "rows": self.rows_fed - held}
 
 
 def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device: int = 0) -> Trace:

@@ -256,72 +256,116 @@ def apply(rows: list, marks: list, settings: EmulationSettings) -> tuple[list, E
     (kind 0 alloc, 1 free, 2 marker with ``ptr`` = index into ``marks``); ``marks`` the recorder's
     ``(kind, payload)`` list. Op markers (possibly nested: a composite op's own ops are marked inside it)
     are consumed; other markers pass through unchanged. Returns (new rows, report)."""
-    on = set(settings.adjustments)
-    report = EmulationReport()
-    drop = bytearray(len(rows))  # 1 = remove this row (and, for an alloc, its free)
-    inserts: dict[int, list] = {}  # row index -> synthetic rows to put before it
-    live: dict[int, int] = {}  # ptr -> row index of its alloc
-    top = _Frame("", "caller", ())  # allocations outside every op
-    stack: list[_Frame] = []
-    workspaces: set[str] = set()
-    ws_bytes = settings.workspace_bytes
-    next_ptr = WORKSPACE_PTR_BASE
+    em = Emulator(marks, settings)
+    em.feed(rows)
+    return em.take(), em.report
 
-    def count(kind: str, adjustment: str, size: int) -> None:
-        entry = (report.dropped if kind == "dropped" else report.added)[adjustment]
-        entry[0] += 1
-        entry[1] += size
 
-    for i, (t, ptr, _size, kind, main) in enumerate(rows):
-        if kind == 0:
-            live[ptr] = i
-            if main:
-                frame = stack[-1] if stack else top
-                frame.since_child.append(i)
-                if stack:
-                    frame.direct.add(i)
-        elif kind == 1:
-            j = live.pop(ptr, None)
-            if j is None:
-                continue
-            if drop[j]:
-                drop[i] = 1
-            elif stack and j in stack[-1].direct and "cpu-kernel-scratch" in on:
-                drop[j] = drop[i] = 1  # made and freed inside one op, by no nested op: not a device allocation
-                count("dropped", "cpu-kernel-scratch", rows[j][2])
-        else:
-            mkind, payload = marks[ptr]
-            if mkind == OP_BEGIN:
-                name, thread, n_scalars, _cpu_kernel, temps = payload
-                report.ops += 1
-                parent = stack[-1] if stack else top
-                if n_scalars and "host-scalars" in on:  # the wrapped numbers built just before this op
-                    for j in [j for j in parent.since_child if not drop[j] and rows[j][1] in live][-n_scalars:]:
-                        drop[j] = 1
-                        count("dropped", "host-scalars", rows[j][2])
-                parent.since_child = []
-                stack.append(_Frame(name, thread, temps))
-                drop[i] = 1
-            elif mkind == OP_END:
-                frame = stack.pop()
-                if "cublas-workspace" in on and frame.name in CUBLAS_OPS and frame.thread not in workspaces:
-                    workspaces.add(frame.thread)
-                    inserts.setdefault(i, []).append((t, next_ptr, ws_bytes, 0, 1))
-                    report.workspace_ptrs.append(next_ptr)
-                    next_ptr -= 1
-                    count("added", "cublas-workspace", ws_bytes)
-                if "cuda-kernel-temporaries" in on:
-                    for sz in frame.temps:
-                        inserts.setdefault(i, []).extend([(t, next_ptr, sz, 0, 1), (t, next_ptr, sz, 1, 1)])
-                        next_ptr -= 1
-                        count("added", "cuda-kernel-temporaries", sz)
-                if stack:
-                    stack[-1].since_child = []
-                drop[i] = 1
-    out = []
-    for i, row in enumerate(rows):
-        if i in inserts:
-            out.extend(inserts[i])
-        if not drop[i]:
-            out.append(row)
-    return out, report
+class Emulator:
+    """:func:`apply` fed in pieces while the capture runs (the progress files' figures so far): :meth:`feed` the
+    recorder's rows in order, :meth:`take` the emulated rows whose fate is settled. A row is settled once no
+    later row can drop it: every row before the oldest allocation still on the op stack's candidate lists (an
+    open op's own allocations, the allocations since an op last began: :func:`apply`'s two retroactive drops).
+    Rows taken in pieces are, concatenated, :func:`apply`'s rows of the same input, to the row."""
+
+    def __init__(self, marks: list, settings: EmulationSettings) -> None:
+        self.marks = marks
+        self.on = set(settings.adjustments)
+        self.ws_bytes = settings.workspace_bytes
+        self.report = EmulationReport()
+        self.rows: list = []  # the rows from index ``base`` on, not yet taken
+        self.base = 0
+        self.drop = bytearray()  # per row fed: 1 = remove this row (and, for an alloc, its free)
+        self.inserts: dict[int, list] = {}  # row index -> synthetic rows to put before it
+        self.live: dict[int, int] = {}  # ptr -> row index of its alloc
+        self.top = _Frame("", "caller", ())  # allocations outside every op
+        self.stack: list[_Frame] = []
+        self.workspaces: set[str] = set()
+        self.next_ptr = WORKSPACE_PTR_BASE
+
+    def feed(self, rows: list) -> None:
+        """Process the next ``rows`` (recorder rows, in order)."""
+        on, report, marks, live, top, stack = self.on, self.report, self.marks, self.live, self.top, self.stack
+        first = self.base + len(self.rows)
+        self.rows.extend(rows)
+        self.drop.extend(bytes(len(rows)))
+        drop, buf, base = self.drop, self.rows, self.base
+
+        def count(kind: str, adjustment: str, size: int) -> None:
+            entry = (report.dropped if kind == "dropped" else report.added)[adjustment]
+            entry[0] += 1
+            entry[1] += size
+
+        for i, (t, ptr, _size, kind, main) in enumerate(rows, first):
+            if kind == 0:
+                live[ptr] = i
+                if main:
+                    frame = stack[-1] if stack else top
+                    frame.since_child.append(i)
+                    if stack:
+                        frame.direct.add(i)
+            elif kind == 1:
+                j = live.pop(ptr, None)
+                if j is None:
+                    continue
+                if drop[j]:
+                    drop[i] = 1
+                elif stack and j in stack[-1].direct and "cpu-kernel-scratch" in on:
+                    drop[j] = drop[i] = 1  # made and freed inside one op, by no nested op: not a device allocation
+                    count("dropped", "cpu-kernel-scratch", buf[j - base][2])
+            else:
+                mkind, payload = marks[ptr]
+                if mkind == OP_BEGIN:
+                    name, thread, n_scalars, _cpu_kernel, temps = payload
+                    report.ops += 1
+                    parent = stack[-1] if stack else top
+                    if n_scalars and "host-scalars" in on:  # the wrapped numbers built just before this op
+                        for j in [j for j in parent.since_child
+                                  if not drop[j] and buf[j - base][1] in live][-n_scalars:]:
+                            drop[j] = 1
+                            count("dropped", "host-scalars", buf[j - base][2])
+                    parent.since_child = []
+                    stack.append(_Frame(name, thread, temps))
+                    drop[i] = 1
+                elif mkind == OP_END:
+                    frame = stack.pop()
+                    if ("cublas-workspace" in on and frame.name in CUBLAS_OPS
+                            and frame.thread not in self.workspaces):
+                        self.workspaces.add(frame.thread)
+                        self.inserts.setdefault(i, []).append((t, self.next_ptr, self.ws_bytes, 0, 1))
+                        report.workspace_ptrs.append(self.next_ptr)
+                        self.next_ptr -= 1
+                        count("added", "cublas-workspace", self.ws_bytes)
+                    if "cuda-kernel-temporaries" in on:
+                        for sz in frame.temps:
+                            self.inserts.setdefault(i, []).extend([(t, self.next_ptr, sz, 0, 1),
+                                                                   (t, self.next_ptr, sz, 1, 1)])
+                            self.next_ptr -= 1
+                            count("added", "cuda-kernel-temporaries", sz)
+                    if stack:
+                        stack[-1].since_child = []
+                    drop[i] = 1
+
+    def settled(self) -> int:
+        """The index of the first row fed whose fate a later row may still change (every row fed when none)."""
+        pending = [self.base + len(self.rows)]
+        for frame in (self.top, *self.stack):
+            if frame.since_child:
+                pending.append(min(frame.since_child))
+            if frame.direct:
+                pending.append(min(frame.direct))
+        return min(pending)
+
+    def take(self, upto: int | None = None) -> list:
+        """The emulated rows of the rows fed from the last :meth:`take` up to index ``upto`` (default: all fed;
+        pass :meth:`settled` while recording goes on), synthetic rows included; they leave the buffer."""
+        upto = self.base + len(self.rows) if upto is None else upto
+        out, drop, inserts, base = [], self.drop, self.inserts, self.base
+        for i, row in enumerate(self.rows[:upto - base], base):
+            if i in inserts:
+                out.extend(inserts.pop(i))
+            if not drop[i]:
+                out.append(row)
+        del self.rows[:upto - base]
+        self.base = upto
+        return out

@@ -487,7 +487,9 @@ def _kill_leftover_workers(work: Path) -> None:
             pass
 
 
-PROGRESS_PEAKS = ("peak_reserved", "peak_allocated")  # CUDA ranks' progress files: measured peaks so far
+# the device peaks so far in a rank's progress file (capture.py: RankCapture.progress): measured on CUDA, simulated
+# ("simulated": true) on CPU and cuda-sim
+PROGRESS_PEAKS = ("peak_reserved", "peak_allocated")
 
 
 def _exit_hang_failure(ranks: list[dict], work: Path, timeout: float) -> dict:
@@ -616,10 +618,12 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
                    else f"{died or 'exited'} without a result"
                         + ("; torchrun's first observed failure" if root else "")
                         + f" (launcher exit code {returncode}){launchers}")
-            so_far = {"host_rss": prog.get("host_rss")} | {k: prog[k] for k in PROGRESS_PEAKS if k in prog}
+            peaks = {k: prog[k] for k in PROGRESS_PEAKS if k in prog}  # at the start of its last phase
+            so_far = peaks | {"host_rss": prog.get("host_rss")}
             failures.append({"rank": r, "phase": prog.get("phase", "startup"),
                              "error": "Hang" if timed_out else "Crash", "message": why,
                              "memory_so_far": so_far, **({"signal": sig} if sig else {}),
+                             **({"simulated": bool(prog.get("simulated"))} if peaks else {}),
                              **({"root_cause": True} if root else {})})
     if ranks and not failures and returncode != 0 and not timed_out and len(ranks) == scenario.world_size:
         failures.append(_exit_status_failure(ranks, returncode, logs))

@@ -192,8 +192,12 @@ def test_a_wrapped_history_fails_the_rank_naming_the_cause_and_the_fix(tmp_path,
     def wrapped():
         raise mc.HistoryWrapped(message, 8, {"peak_reserved": 40 * MiB, "peak_allocated": 30 * MiB})
 
+    real_stop = cap.rec.stop
     monkeypatch.setattr(cap.rec, "stop", wrapped)
-    result = json.loads(json.dumps(cap.finish(None, None)))
+    try:
+        result = json.loads(json.dumps(cap.finish(None, None)))
+    finally:  # the process-wide CPU allocation recorder must not stay on for the next test in this process
+        real_stop()
     assert result["error"]["type"] == "HistoryWrapped" and result["error"]["phase"] == "finish"
     assert result["error"]["message"] == message and "RLHFMEM_HISTORY_MAX_ENTRIES=16" in message
     assert result["total"]["peak_reserved"] == 40 * MiB and result["events"] == 8  # the allocator's own peak

@@ -66,8 +66,12 @@ def test_every_matrix_names_gpu_memory_in_gb():
 
 
 # OPT-1.3b `all` on the fake-CUDA route: killed by the kernel on the 24 GiB machine that recorded the file (its worker
-# holds the whole pair's optimizer state at world size 1); the suite skips it below 24 GiB available, naming that
-UNRECORDED = {f"deepspeed-chat/opt-1.3b/all/flush-{f}/x1" for f in FLUSH}
+# holds the whole pair's optimizer state at world size 1); the suite skips it below 24 GiB available, naming that.
+# OPT-125m zero3-offload and all on the CPU route: removed when the route began to copy offloaded parameters at their
+# fetch (rlhf/deepspeed_chat: copy_offloaded_fetches), not yet recorded again (the file's notes say how)
+UNRECORDED = {"deepspeed_chat_gpu1_fakecuda_study": {f"deepspeed-chat/opt-1.3b/all/flush-{f}/x1" for f in FLUSH},
+              "deepspeed_chat_gpu1_cpu_mid": {f"deepspeed-chat/opt-125m/{s}/flush-{f}/x1"
+                                              for s in ("zero3-offload", "all") for f in FLUSH}}
 
 
 @pytest.mark.parametrize("budget, names", [
@@ -83,7 +87,7 @@ def test_twin_budget_file_holds_exactly_its_cells(budget, names):
     for spec in names:
         name, _, models = spec.partition(":")
         ids |= {p.id for p in _params(name) if not models or p.values[0].models == models}
-    ids -= UNRECORDED
+    ids -= UNRECORDED.get(budget, set())
     bf = load_budget_file(ROOT / "baselines" / "cpu" / f"{budget}.yaml")
     assert set(bf.entries) == ids
     capture = "sim-cuda-simulated" if "fakecuda" in budget else "cpu-trace-simulated"

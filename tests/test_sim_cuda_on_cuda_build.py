@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_rlhfmem.memory.device_libs import SIM_SOURCE, _torch_dir, library_path
+from pytest_rlhfmem.command.run import sim_cuda_library
+from pytest_rlhfmem.memory.device_libs import _torch_dir
 
 # What libtorch_cuda registers, one of each kind; every kernel raises (a GPU kernel cannot run here).
 STANDIN = r"""
@@ -75,7 +76,7 @@ rows = sim_cuda.SimCudaRows()
 events = rows.events(0)
 print("RESULT " + json.dumps({"took": took, "sizes": [e[2] for e in events], "actions": [e[0] for e in events],
                               "value": value, "grad": list(x.grad.shape),
-                              "accelerator": str(torch.accelerator.current_accelerator())}))
+                              "accelerator": str(torch.accelerator.current_accelerator())}), flush=True)
 """
 
 
@@ -92,7 +93,8 @@ def standin(tmp_path_factory) -> Path:
 
 
 def run(*cuda_libraries: Path) -> tuple[subprocess.CompletedProcess, dict | None]:
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(library_path(SIM_SOURCE)), *map(str, cuda_libraries)],
+    # built (or found built) under the file lock every route takes: another xdist worker may be building it now
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, sim_cuda_library(), *map(str, cuda_libraries)],
                           capture_output=True, text=True, timeout=600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     return proc, json.loads(line.removeprefix("RESULT ")) if line else None

@@ -52,8 +52,10 @@ def test_a_failed_op_build_is_one_line_naming_the_op_its_error_and_what_it_needs
     assert "/bin/false" in msg and msg.endswith(f"; {needs}")
 
 
-def test_a_result_keeps_the_time_its_op_builds_took():
-    res = run_scenario(Scenario("deepspeed-chat", "tiny-opt", "none", world_size=1), device="cpu", timeout=600)
+def test_a_result_keeps_the_time_its_op_builds_took(tmp_path):
+    # its work directory under tmp_path: a run's caller removes it (finish_work); none may stay in the temp dir
+    res = run_scenario(Scenario("deepspeed-chat", "tiny-opt", "none", world_size=1), device="cpu", timeout=600,
+                       work_dir=tmp_path / "work")
     assert res["status"] == "ok", res["failure"]
     assert isinstance(res["op_build_s"], float) and 0 < res["op_build_s"] < res["wall_s"]
 

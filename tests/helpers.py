@@ -1,5 +1,8 @@
-"""Paths shared by the tests (a plain module: conftest modules must not be imported by name)."""
+"""Paths and runners shared by the tests (a plain module: conftest modules must not be imported by name)."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,3 +21,11 @@ def shared_snapshot(name: str) -> Path:
     if reason:
         pytest.skip(reason)
     return path
+
+
+def rlhfmem_cli(*args: str, env: dict | None = None, cwd: Path | None = None,
+                timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m pytest_rlhfmem.cli ARGS`` in a fresh process, output captured as text; hubs offline, ``env``
+    added to this process's environment."""
+    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})

@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from helpers import rlhfmem_cli
+
 KILLED = '''
     """Rank 1 is killed by SIGKILL inside phase `train_actor`; rank 0 fails or is stopped in its next collective."""
     import os, signal, time
@@ -45,9 +47,7 @@ NEVER_EXITS = '''
 
 
 def cli(*args: str, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)})
+    return rlhfmem_cli(*args, cwd=tmp_path, timeout=timeout, env={"TMPDIR": str(tmp_path)})
 
 
 def test_the_rank_killed_first_is_the_culprit_not_its_bystander(tmp_path):

@@ -2,21 +2,17 @@
 no `rlhfmem-*` or `torchelastic_*` directory in the temporary directory; argument ranges are refused at parse
 time, in one line, before anything runs."""
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from helpers import rlhfmem_cli
 
 COMMANDS = Path(__file__).parent / "data" / "commands"
 
 
-def cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600):
-    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+cli = rlhfmem_cli
 
 
 @pytest.mark.parametrize("args, fragment", [

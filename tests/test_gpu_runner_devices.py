@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import DATA
+from helpers import DATA, rlhfmem_cli
 
 from pytest_rlhfmem.command.run import CommandError, run_command
 from pytest_rlhfmem.rlhf import launch
@@ -59,8 +59,7 @@ def test_capture_refuses_more_ranks_than_gpus_before_starting_one(monkeypatch, t
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest_rlhfmem.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return rlhfmem_cli(*args, timeout=300)
 
 
 @pytest.mark.parametrize("args", [

@@ -86,23 +86,20 @@ def _read(path, reader):
 READERS = ["python"] + (["compiled"] if snapshot_reader.reader_available()[0] else [])
 
 
-@pytest.mark.parametrize("reader", READERS)
-@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
-def test_a_number_past_int64_is_one_line_naming_file_and_entry(tmp_path, name, reader):
-    snap, fragment = OUT_OF_RANGE[name]
-    p = _write(tmp_path, name, snap)
-    status, msg = _read(p, reader)
-    assert status == "error" and msg.startswith(f"{p}: malformed snapshot entry: ") and fragment in msg, msg
-    assert "\n" not in msg
+# (table, name, the message's start after the file): a number past int64 names the entry; a live address or segment
+# allocated again names the snapshot
+BAD_INPUT = ([(OUT_OF_RANGE, n, "malformed snapshot entry: ") for n in sorted(OUT_OF_RANGE)]
+             + [(DUPLICATE, n, "malformed snapshot: ") for n in sorted(DUPLICATE)])
 
 
 @pytest.mark.parametrize("reader", READERS)
-@pytest.mark.parametrize("name", sorted(DUPLICATE))
-def test_a_live_address_allocated_again_is_one_line_naming_file_and_entry(tmp_path, name, reader):
-    snap, fragment = DUPLICATE[name]
+@pytest.mark.parametrize("table, name, prefix", BAD_INPUT, ids=[n for _, n, _ in BAD_INPUT])
+def test_a_number_past_int64_or_a_live_address_allocated_again_is_one_line_naming_file_and_entry(
+        tmp_path, table, name, prefix, reader):
+    snap, fragment = table[name]
     p = _write(tmp_path, name, snap)
     status, msg = _read(p, reader)
-    assert status == "error" and msg.startswith(f"{p}: malformed snapshot: ") and fragment in msg, msg
+    assert status == "error" and msg.startswith(f"{p}: {prefix}") and fragment in msg, msg
     assert "\n" not in msg
 
 

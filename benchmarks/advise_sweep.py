@@ -1,6 +1,6 @@
 """Wall time of ``rlhfmem advise``'s whole sweep on a large synthetic trace, one process vs both cores.
 
-    python benchmarks/advise_sweep.py [--events 1000000] [--phases 8] [--max-flushes 3] [--json out.json]
+    python -m benchmarks.advise_sweep [--events 1000000] [--phases 8] [--max-flushes 3] [--json out.json]
 
 The trace is the replay benchmark's training-like mix (``replay_throughput.synthetic_trace``) cut into
 ``--phases`` recipe phases (init, generate, infer_*, train_*) with phase_end marks, and a large
@@ -24,13 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+from benchmarks.replay_throughput import synthetic_trace
 
-from replay_throughput import synthetic_trace  # noqa: E402
-
-from pytest_rlhfmem.advise import advise, load_inputs  # noqa: E402
-from pytest_rlhfmem.memory.trace import ALLOC, FREE, PHASE, PHASE_END, Event, Trace  # noqa: E402
-from pytest_rlhfmem.memory.trace_io import save_trace  # noqa: E402
+from pytest_rlhfmem.advise import advise, load_inputs
+from pytest_rlhfmem.memory.trace import ALLOC, FREE, PHASE, PHASE_END, Event, Trace
+from pytest_rlhfmem.memory.trace_io import save_trace
 
 PHASES = ("init", "generate", "infer_actor", "infer_reference", "infer_reward", "infer_critic", "train_actor",
           "train_critic")

@@ -1,6 +1,6 @@
 """Cost of the public API's marks when no capture is active (the production case), per call.
 
-    python benchmarks/api_overhead.py [--calls 1000000] [--json out/api_overhead.json]
+    python -m benchmarks.api_overhead [--calls 1000000] [--json out/api_overhead.json]
 
 Times ``with rlhfmem.phase(name):``, ``rlhfmem.flush_point(name)`` and ``rlhfmem.host_resident(ts)``
 against the same loop with an empty ``with`` of a shared null context and with ``pass``; best of 5

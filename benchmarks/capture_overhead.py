@@ -1,6 +1,6 @@
 """CPU wall time per scenario and the capture overhead (captured vs bare iteration).
 
-    python benchmarks/capture_overhead.py [--strategies none,zero3] [--runs 1] [--json out/capture.json]
+    python -m benchmarks.capture_overhead [--strategies none,zero3] [--runs 1] [--json out/capture.json]
 
 For each scenario (tiny OPT, 2 CPU ranks): the launcher's wall time (process start to results), the
 iteration's own wall time (slowest rank, engines built to last step), with the allocation recorder on

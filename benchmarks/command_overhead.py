@@ -1,6 +1,6 @@
 """What ``rlhfmem capture`` costs on a user's command: the command alone vs the same command captured.
 
-    python benchmarks/command_overhead.py [--runs 3] [--json out/command_overhead.json]
+    python -m benchmarks.command_overhead [--runs 3] [--json out/command_overhead.json]
 
 For each command (CPU, this machine): wall time of the bare command (``subprocess.run``), wall time of
 ``run_command`` (the same command with every rank recorded, traces replayed through the allocator model,

@@ -1,6 +1,6 @@
 """Throughput of ``rlhfmem replay FILE --free-running --json``, in events/s (alloc + free events), on this machine.
 
-    python benchmarks/replay_throughput.py [--events 1000000] [--repeat 2] [--json out/replay.json]
+    python -m benchmarks.replay_throughput [--events 1000000] [--repeat 2] [--json out/replay.json]
 
 Workload: a deterministic 1,000,000-event synthetic trace (a training-like mix: many small activations
 freed in mostly LIFO order, some large buffers, occasional empty_cache), in the two inputs the command

@@ -1,6 +1,6 @@
 """The simulated CUDA device on a CUDA build of torch (issue 35's device check), no GPU used.
 
-    CUDA_VISIBLE_DEVICES= python benchmarks/sim_cuda_cuda_build.py [--compare-python CPU_BUILD_PYTHON] [--json OUT]
+    CUDA_VISIBLE_DEVICES= python -m benchmarks.sim_cuda_cuda_build [--compare-python CPU_BUILD_PYTHON] [--json OUT]
 
 Runs, with this interpreter's torch, (1) ``rlhfmem capture --device cuda-sim`` of
 ``tests/data/commands/cs336_memory_profile.py --size small --mode inference --context-length 64`` and (2) the

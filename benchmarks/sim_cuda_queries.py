@@ -2,7 +2,7 @@
 simulated CUDA device (``rlhfmem capture --device cuda-sim``): each ``memory_allocated()`` answers from the
 allocator model fed the device's log so far (``command/sim_device.py: LiveAllocator``).
 
-    python benchmarks/sim_cuda_queries.py [--keep 20000] [--queries 2000]
+    python -m benchmarks.sim_cuda_queries [--keep 20000] [--queries 2000]
 
 The script makes ``--keep`` allocations first, then ``--queries`` steps of one allocation, one query, one free.
 Measured here (2 cores, beside a test run; 2026-11-24): keep 20,000, queries 2,000: the whole capture 2.7 s (the

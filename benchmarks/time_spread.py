@@ -1,6 +1,6 @@
 """Record the run-to-run spread of the iteration time per scenario, for comparisons timed in one round.
 
-    python benchmarks/time_spread.py --strategies none,zero3 --flush none --runs 3 \
+    python -m benchmarks.time_spread --strategies none,zero3 --flush none --runs 3 \
         [--world-size 2] [--out baselines/cpu/time_spread.yaml]
 
 Runs each DeepSpeed-Chat tiny-OPT scenario ``--runs`` times in fresh process groups (as the suites do) and

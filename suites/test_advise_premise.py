@@ -10,7 +10,7 @@ import pytest
 from pytest_rlhfmem.advise import advise
 
 # The CPU matrix's deterministic scenarios: ZeRO stages 0-2 with and without checkpointing repeat peak
-# reserved and the cudaMalloc count to the byte (benchmarks/spread.py); ZeRO-3's prefetch and offload's
+# reserved and the cudaMalloc count to the byte (studies/spread.py); ZeRO-3's prefetch and offload's
 # host-device copies do not (two segments of spread).
 DETERMINISTIC = ["none", "zero1", "zero2", "grad-ckpt"]
 

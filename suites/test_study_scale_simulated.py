@@ -9,13 +9,12 @@ simulated (the device's allocation log replayed through the allocator model). Ea
 the after-inference flush marks; its flush-none cell replays the same trace without them. Measured (the run of
 ``docs/study-runs/2026-11-25/scripts``): 19-24 s of CPU per strategy (process), 2-3 s of it generation.
 
-``RLHFMEM_STUDY_SIM_RESULTS=DIR`` reuses the result JSONs that ``benchmarks/study_scale.py --out DIR``
+``RLHFMEM_STUDY_SIM_RESULTS=DIR`` reuses the result JSONs that ``studies/study_scale.py --out DIR``
 wrote instead of running again.
 """
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,7 @@ import pytest
 from pytest_rlhfmem.fakecuda.run import run_fake_cuda
 from pytest_rlhfmem.rlhf.scenario import Scenario
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import study_scale  # noqa: E402
+from studies import study_scale
 
 STRATEGIES = ("none", "zero2", "zero3", "zero3-offload", "all")
 # The route is deterministic: the figures the README's "The study's scale without a GPU" table gives (GiB to one
@@ -43,7 +41,7 @@ _cache: dict[str, dict] = {}
 
 # run_1.3b.sh on the study's DeepSpeed: the Hybrid Engine injected its inference kernels into OPT, which DeepSpeed
 # 0.19.8 does not do for transformers 5; the fake-CUDA route runs them as stand-ins (fakecuda/inference_kernels.py).
-# The overrides benchmarks/study_scale.py runs by default, which recorded the pinned figures.
+# The overrides studies/study_scale.py runs by default, which recorded the pinned figures.
 SCRIPTS = study_scale.SCRIPTS_OVERRIDES
 
 

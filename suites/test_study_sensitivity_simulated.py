@@ -1,26 +1,23 @@
 """The README's sensitivity table, run again and held to its recorded run (opt-in: ``tox -e study-sensitivity``).
 
-Each row of ``benchmarks/study_sensitivity.py`` (the study's pair on the fake-CUDA route with the simulated CUDA
+Each row of ``studies/study_sensitivity.py`` (the study's pair on the fake-CUDA route with the simulated CUDA
 device, five strategies, each once with the after-inference flush marks and replayed without them) runs into its own
 directory and is compared with ``docs/study-runs/2026-11-25/<row>/summary.json``, the run the README's tables come
 from: every result ok, peak reserved and peak allocated to the byte, the peak's phase, fragmentation at the peak
 within 2 MiB (ZeRO-3 + offload and ``all`` vary from run to run by up to 1.3 MiB there, README), and each finding's
 verdict. Every figure is simulated. About 15 minutes on 2 cores (the two rows without the Hybrid Engine's kernels
 take 5 of them each). ``RLHFMEM_STUDY_SENSITIVITY_RESULTS=DIR`` reuses the row directories that
-``benchmarks/study_sensitivity.py --out DIR`` wrote instead of running again.
+``studies/study_sensitivity.py --out DIR`` wrote instead of running again.
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from studies import study_scale, study_sensitivity
 
-import study_scale  # noqa: E402
-import study_sensitivity  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RECORDED = ROOT / "docs" / "study-runs" / "2026-11-25"
 FRAGMENTATION_SLACK = 2 * 2**20  # bytes

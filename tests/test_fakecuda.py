@@ -85,7 +85,7 @@ def test_tiny_deepspeed_chat_iteration_on_the_fake_route(tmp_path):
 @pytest.mark.parametrize("strategy", ("none", "zero3-offload"))
 def test_tiny_deepspeed_chat_iteration_on_the_simulated_device(tmp_path, strategy):
     """The same recipe with ``tensors="sim"``: the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``) in
-    place of ``FakeTensorMode``, the route ``benchmarks/study_scale.py`` uses by default."""
+    place of ``FakeTensorMode``, the route ``studies/study_scale.py`` uses by default."""
     sc = Scenario("deepspeed-chat", "tiny-opt", strategy, "after-inference", 2)
     results = run_fake_cuda(sc, work_dir=tmp_path, without_flush=True, timeout=900, tensors="sim")
     assert set(results) == {sc.id, Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2).id}

@@ -1,6 +1,6 @@
 """Every table the README and docs restate from committed budgets is generated: a block fenced by
 ``<!-- generated: COMMAND -->`` ... ``<!-- end generated -->`` must be exactly what COMMAND prints now
-(benchmarks/budget_tables.py). After a budget update, rerun the command and paste its output."""
+(doctables/budget_tables.py). After a budget update, rerun the command and paste its output."""
 
 import re
 import shlex

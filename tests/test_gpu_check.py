@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import gpu_check
 
-import gpu_check  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 CELL = gpu_check.CPU_SUBSET[0]
 

@@ -1,6 +1,6 @@
 """How many segment addresses of a GPU recording a first-fit replay of the same program reproduces exactly.
 
-    python benchmarks/driver_layout.py TRACE RECORDING --context-reserve 188MiB [--range N:SIZE ...]
+    python -m studies.driver_layout TRACE RECORDING --context-reserve 188MiB [--range N:SIZE ...]
 
 TRACE is the ``.rlhftrace`` of ``rlhfmem capture --device cuda-sim`` (any placement: a trace does not depend on
 it), RECORDING the GPU's ``_dump_snapshot`` pickle of the same program. The replay places segments as
@@ -22,17 +22,14 @@ segment is the 320th) all 495 addresses are the recording's. The three ranges' s
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytest_rlhfmem.memory.allocator import AllocatorConfig  # noqa: E402
-from pytest_rlhfmem.memory.driver_va import BASE, FirstFitAddressSpace, SegmentPlacement  # noqa: E402
-from pytest_rlhfmem.memory.python_engine import replay_python  # noqa: E402
-from pytest_rlhfmem.memory.replay_types import FREE_RUNNING  # noqa: E402
-from pytest_rlhfmem.memory.trace import load_snapshot  # noqa: E402
-from pytest_rlhfmem.memory.trace_io import load_trace  # noqa: E402
+from pytest_rlhfmem.memory.allocator import AllocatorConfig
+from pytest_rlhfmem.memory.driver_va import BASE, FirstFitAddressSpace, SegmentPlacement
+from pytest_rlhfmem.memory.python_engine import replay_python
+from pytest_rlhfmem.memory.replay_types import FREE_RUNNING
+from pytest_rlhfmem.memory.trace import load_snapshot
+from pytest_rlhfmem.memory.trace_io import load_trace
 
 
 def main() -> int:

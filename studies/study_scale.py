@@ -8,9 +8,9 @@ allocations do not depend on the allocator). Prints the Table-1-shaped result be
 numbers, with the phase of each peak, and the time per strategy (each strategy's line as it finishes, and
 a block at the end: process and iteration wall and CPU time), and writes every result JSON to --out.
 
-    PYTHONPATH=. python benchmarks/study_scale.py [--strategies none,zero2] [--out DIR] [--jobs 2] [--tensors sim|fake]
+    python -m studies.study_scale [--strategies none,zero2] [--out DIR] [--jobs 2] [--tensors sim|fake]
 
-``--tensors sim`` (default): the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``); ``fake``:
+``--tensors sim`` (default): the simulated CUDA device (``simcuda/csrc/sim_cuda.cpp``); ``fake``:
 ``FakeTensorMode`` with the dispatcher recorder. Figures are simulated (the allocator model replaying
 the recorded device trace), in GiB (2**30 bytes).
 """
@@ -24,10 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pytest_rlhfmem.fakecuda.run import FakeCudaRunError, run_fake_cuda  # noqa: E402
-from pytest_rlhfmem.rlhf.scenario import Scenario  # noqa: E402
+from pytest_rlhfmem.fakecuda.run import FakeCudaRunError, run_fake_cuda
+from pytest_rlhfmem.rlhf.scenario import Scenario
 
 # Zhou et al., Table 1, DeepSpeed-Chat OPT (GB): reserved, frag, allocated -> reserved, frag with empty_cache
 STUDY = {
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="study-scale-results")
     ap.add_argument("--jobs", type=int, default=1, help="strategies run at once (each uses one core)")
     ap.add_argument("--tensors", choices=("sim", "fake"), default="sim",
-                    help="sim: the simulated CUDA device (fakecuda/csrc/sim_cuda.cpp; default, several times "
+                    help="sim: the simulated CUDA device (simcuda/csrc/sim_cuda.cpp; default, several times "
                          "faster); fake: FakeTensorMode with the dispatcher recorder (the route's first form)")
     ap.add_argument("--sdpa", choices=("math", "efficient"), default=None,
                     help="--tensors sim only: the attention kernel modelled (math keeps the score matrix, the "

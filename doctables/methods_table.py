@@ -3,7 +3,7 @@ device figures (simulated on CPU), the model states at the end of init, the host
 the iteration time, each relative to PPO ``none`` where that ran.
 
     pytest suites/test_deepspeed_chat_cpu.py suites/test_methods_cpu.py -k flush-none --rlhfmem-json out/methods.json
-    python benchmarks/methods_table.py out/methods.json
+    python -m doctables.methods_table out/methods.json
 """
 
 import json

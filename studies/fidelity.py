@@ -1,12 +1,12 @@
 """How far is a CPU figure from a GPU's? Public GPU-recorded workloads rerun on CPU, before/after each
 CUDA emulation adjustment.
 
-    PYTHONPATH=. python benchmarks/fidelity.py [--workloads wedson_medium_128_inference,wedson_medium_256_training]
+    python -m studies.fidelity [--workloads wedson_medium_128_inference,wedson_medium_256_training]
                                                [--warmups 5] [--json out/fidelity.json]
 
 For each workload (``pytest_rlhfmem/fidelity/workloads.py``): ONE CPU run under the recorder with the op
 markers on; its rows are turned into a device trace with no emulation, then with the adjustments of
-``pytest_rlhfmem/memory/emulation.py`` added one at a time (cumulative), each replayed through the
+``pytest_rlhfmem/record/emulation.py`` added one at a time (cumulative), each replayed through the
 allocator model and compared with the GPU recording over the same window (the recorded step, after the
 warm-ups). Simulated figures (CPU capture) beside recorded ones (GPU); sizes in bytes.
 """
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from pytest_rlhfmem.fidelity.workloads import WORKLOADS, capture, captured_figures, compare, recorded_figures
-from pytest_rlhfmem.memory.emulation import ADJUSTMENTS, EmulationSettings
+from pytest_rlhfmem.record.emulation import ADJUSTMENTS, EmulationSettings
 from pytest_rlhfmem.shared_snapshots import missing_reason, snapshot_path
 
 FIGURES = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "cuda_malloc_count", "reserved_at_start")
@@ -51,7 +51,7 @@ def run(name: str, warmups: int, dump: str | None = None, from_dump: str | None 
     if from_dump:  # re-derive from a saved run's rows (same capture, later emulation code)
         import pickle
 
-        from pytest_rlhfmem.memory.capture import Recorder
+        from pytest_rlhfmem.record.recorder import Recorder
 
         with open(Path(from_dump) / f"{name}.rows.pickle", "rb") as f:
             saved = pickle.load(f)

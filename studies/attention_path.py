@@ -4,19 +4,15 @@ head 64, fp16, padding mask), forward + backward, recorded on fake CUDA tensors,
 RTX 3090 takes for fp16 with a mask). Prints the peak of live tensor bytes and the bytes saved for
 backward, per layer (MiB, tensor bytes: no allocator rounding).
 
-    PYTHONPATH=. python benchmarks/attention_path.py
+    python -m studies.attention_path
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:
-    from pytest_rlhfmem.fakecuda import native
+    from pytest_rlhfmem.simcuda import build as native
 
     native.load()
     import torch

@@ -1,12 +1,12 @@
 """Markdown tables generated from the committed budgets, so the README and docs never restate a figure by hand.
 
-    python benchmarks/budget_tables.py cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
-    python benchmarks/budget_tables.py methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
-    python benchmarks/budget_tables.py flush-diff     # README: rlhfmem diff, flush after inference vs none
-    python benchmarks/budget_tables.py flush-diff-report  # docs/diff-flush-none-vs-after-inference.md
-    python benchmarks/budget_tables.py mid-matrix     # README: the mid-size pair (methods_cpu_mid.yaml)
+    python -m doctables.budget_tables cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
+    python -m doctables.budget_tables methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
+    python -m doctables.budget_tables flush-diff     # README: rlhfmem diff, flush after inference vs none
+    python -m doctables.budget_tables flush-diff-report  # docs/diff-flush-none-vs-after-inference.md
+    python -m doctables.budget_tables mid-matrix     # README: the mid-size pair (methods_cpu_mid.yaml)
 
-Each block a document shows is fenced by ``<!-- generated: python benchmarks/budget_tables.py NAME -->`` and
+Each block a document shows is fenced by ``<!-- generated: python -m doctables.budget_tables NAME -->`` and
 ``<!-- end generated -->``; tests/test_generated_tables.py reruns the command and fails when a block differs
 from what it prints (after a budget update: rerun the command and paste its output). Figures are those of the
 budget files: simulated device figures (CPU trace through the allocator model) and measured host figures.
@@ -142,7 +142,7 @@ TABLES = {"cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] not in TABLES:
-        print(f"usage: python benchmarks/budget_tables.py {{{','.join(TABLES)}}}", file=sys.stderr)
+        print(f"usage: python -m doctables.budget_tables {{{','.join(TABLES)}}}", file=sys.stderr)
         return 2
     print("\n".join(TABLES[argv[0]]()))
     return 0

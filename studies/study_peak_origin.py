@@ -1,11 +1,11 @@
 """What each strategy's peak is made of at the study's scale: which phase left the free blocks (simulated).
 
-For every ``.rlhftrace`` a study run saved (``RLHFMEM_FAKECUDA_SAVE_TRACE=1 benchmarks/study_scale.py --out DIR``;
+For every ``.rlhftrace`` a study run saved (``RLHFMEM_FAKECUDA_SAVE_TRACE=1 python -m studies.study_scale --out DIR``;
 each trace carries the after-inference flush marks), replays it with and without the flush policy's marks
 (DeepSpeed's own ``empty_cache()`` calls stay, as in the run's flush-none result) and prints, at the peak reserved,
 the fragmentation by the phase whose cudaMalloc made each segment (``memory/peak_origin.py``), GiB.
 
-    PYTHONPATH=. python benchmarks/study_peak_origin.py DIR [DIR ...]
+    python -m studies.study_peak_origin DIR [DIR ...]
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pytest_rlhfmem.fakecuda.worker import without_policy_flushes  # noqa: E402
-from pytest_rlhfmem.memory.peak_origin import peak_origin  # noqa: E402
-from pytest_rlhfmem.memory.replay import replay  # noqa: E402
-from pytest_rlhfmem.memory.trace_io import load_trace  # noqa: E402
+from pytest_rlhfmem.fakecuda.worker import without_policy_flushes
+from pytest_rlhfmem.memory.peak_origin import peak_origin
+from pytest_rlhfmem.memory.replay import replay
+from pytest_rlhfmem.memory.trace_io import load_trace
 
 GIB = 2**30
 

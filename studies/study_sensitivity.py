@@ -5,7 +5,7 @@ them) once per row of :data:`ROWS`, each into its own directory under ``--out``,
 setting with one column per finding (``study_scale.finding_checks``): reproduced or not, with the figures. A row
 whose directory already holds results runs only its missing strategies (``--from-only`` never runs anything).
 
-    PYTHONPATH=. python benchmarks/study_sensitivity.py --out study-sensitivity [--rows scripts,he-off] [--jobs 2]
+    python -m studies.study_sensitivity --out study-sensitivity [--rows scripts,he-off] [--jobs 2]
 
 Every figure is simulated (the fake-CUDA route's device trace replayed through the allocator model), GiB = 2**30 B.
 """
@@ -17,9 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import study_scale  # noqa: E402
+from studies import study_scale
 
 # slug -> (what the row changes against DeepSpeed-Chat's run_1.3b.sh, scenario overrides, study_scale.py flags)
 SCRIPTS = study_scale.SCRIPTS_OVERRIDES

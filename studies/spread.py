@@ -1,9 +1,9 @@
 """Run-to-run spread of the simulated figures: each CPU-matrix scenario N times, min/max per metric.
 
-    python benchmarks/spread.py --runs 3 --json out/spread.json
-    python benchmarks/spread.py --strategies zero2-offload,lora,hydra --flush none   # host figures too
-    python benchmarks/spread.py --strategies none --algorithm grpo --group-size 2 --flush none
-    python benchmarks/spread.py --framework colossalchat --strategies none,grad-ckpt \
+    python -m studies.spread --runs 3 --json out/spread.json
+    python -m studies.spread --strategies zero2-offload,lora,hydra --flush none   # host figures too
+    python -m studies.spread --strategies none --algorithm grpo --group-size 2 --flush none
+    python -m studies.spread --framework colossalchat --strategies none,grad-ckpt \
         --flush none,after-inference,after-training,after-both     # in the colossalai tox environment
 
 Used to set the default budget tolerances (pytest_rlhfmem/budgets.py: DEFAULT_TOLERANCES).

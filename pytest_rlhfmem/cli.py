@@ -172,7 +172,10 @@ def _plot(args: argparse.Namespace) -> int:
         for r in results]
     if len(labels) != len(results):
         raise CliError(f"--labels needs {len(results)} comma-separated names")
-    out = plot_results(list(zip(labels, results)), args.output)
+    try:
+        out = plot_results(list(zip(labels, results)), args.output)
+    except ReportInputError as exc:  # matplotlib missing: one line naming the `plot` extra
+        raise CliError(str(exc)) from None
     print(out)
     return 0
 
@@ -234,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(baselines/<profile>/time_spread.yaml) for results timed in one round")
     d.set_defaults(func=_diff)
 
-    pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two overlaid")
+    pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two (one panel each)")
     pl.add_argument("results", nargs="+", metavar="RESULT.json")
     pl.add_argument("--scenario", default=None, help="scenario id when a session file holds several; in a "
                     "second file the scenario differing only in flush policy matches, to overlay policies")

@@ -1,12 +1,13 @@
-"""The study's Figure 1 for one scenario (or two overlaid): reserved, allocated and reserved without
+"""The study's Figure 1 for one scenario (or two, one panel each): reserved, allocated and reserved without
 fragmentation over the iteration, with phase bands, the reserved peak and the fragmentation-free peak.
 
 Input: a result with per-rank ``series`` (``rlhfmem run --json`` or a session ``--rlhfmem-json``). The
 x axis is the allocator event index (events are what the allocator sees); y is in the unit the data needs
 (KiB, MiB or GiB: :func:`axis_unit`), the host RSS axis in its own. Nothing is placed where it can cover
-anything else: the peaks are markers whose values are in the legend (one entry per run), the phase names
-sit in a band above the curves, staggered into rows where neighbours would touch, and the time note is
-below the legend, outside the axes.
+anything else: the peaks are markers whose values are in the legend (one entry per run), each phase name is
+written once per panel in one row above the curves (on its widest window, where it fits), the legend names every
+phase band's colour, and the time note is below the legend, outside the axes. Two runs of different lengths get one
+panel each, so each run's bands are its own.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from .report import ReportInputError
 
 GIB = float(2**30)
-PHASE_COLOURS = ("#f2f2f2", "#e3ecf7")
+# one light colour per phase name (bands), distinct at a glance and light enough for the curves on them
+PHASE_COLOURS = ("#e8e8e8", "#dce9f7", "#fbe5d0", "#dff2dc", "#efe0f5", "#fdf5c9", "#d9f2f2", "#f7dde3")
 UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 HOST_STYLES = ((":", "#7d3c98"), ("-.", "#d35400"))  # per run: host peak RSS line style and colour
 
@@ -70,76 +72,113 @@ def _host_per_phase(rank: dict) -> dict:
     return {p["phase"]: p.get("host_peak_rss") for p in rank.get("phases", []) if p.get("host_peak_rss")}
 
 
-def _plot_host_rss(ax, runs: list[tuple[str, dict]], starts: list, end: int, tagged: bool) -> list:
-    """Each run's host peak RSS per phase (measured, never simulated) as steps on a right-hand axis, one line
-    style and colour per run. Returns the legend handles."""
-    pers = [(label, _host_per_phase(_peak_rank(r))) for label, r in runs]
-    top = max((v for _, per in pers for v in per.values()), default=0)
-    if not starts or not top:
+def _segments(series: dict) -> list[tuple[str, int, int]]:
+    """The run's phase windows as ``(phase, first event, end)``; a phase resumed after a nested one, or repeated once
+    per step, is several windows of one name."""
+    starts = [(p, int(s)) for p, s in (series.get("phase_starts") or [])]
+    end = (series["index"][-1] + 1) if series.get("index") else 0
+    return [(p, s, starts[n + 1][1] if n + 1 < len(starts) else end) for n, (p, s) in enumerate(starts)]
+
+
+def phase_colours(results: list[tuple[str, dict]]) -> dict[str, str]:
+    """One band colour per phase NAME, in order of first appearance over every run, so a phase has the same colour
+    in each panel and the legend names it once."""
+    names: list[str] = []
+    for _, r in results:
+        for phase, _, _ in _segments(_peak_rank(r)["series"]):
+            if phase not in names:
+                names.append(phase)
+    return {name: PHASE_COLOURS[n % len(PHASE_COLOURS)] for n, name in enumerate(names)}
+
+
+def _plot_host_rss(ax, run: tuple[str, dict], i: int, segments: list, top: float, tagged: bool) -> list:
+    """The run's host peak RSS per phase (measured, never simulated) as steps on a right-hand axis, one line style and
+    colour per run; ``top``: the highest host figure of every run (one scale for every panel). Returns the legend
+    handle (one, or none)."""
+    label, r = run
+    per = _host_per_phase(_peak_rank(r))
+    if not segments or not top or not per:
         return []
     unit, div = axis_unit(top)
     ax2 = ax.twinx()
-    handles = []
-    for i, (label, per) in enumerate(pers):
-        style, colour = HOST_STYLES[i]
-        for n, (phase, start) in enumerate(starts):
-            stop = starts[n + 1][1] if n + 1 < len(starts) else end
-            v = per.get(phase)
-            if v:
-                h = ax2.hlines(v / div, start, stop, colors=colour, lw=1.6, linestyles=style,
-                               label=f"host peak RSS per phase, measured{f' ({label})' if tagged else ''}")
-        if per:
-            handles.append(h)
+    style, colour = HOST_STYLES[i]
+    h = None
+    for phase, start, stop in segments:
+        v = per.get(phase)
+        if v:
+            h = ax2.hlines(v / div, start, stop, colors=colour, lw=1.6, linestyles=style,
+                           label=f"host peak RSS per phase, measured{f' ({label})' if tagged else ''}")
     ax2.set_ylabel(f"host peak RSS, {unit} (measured)", color=HOST_STYLES[0][1])
     ax2.set_ylim(bottom=0, top=top / div * 1.3)
-    return handles
+    return [h] if h is not None else []
 
 
-def _place_phase_labels(fig, ax, starts: list, end: int) -> float:
-    """Phase names centred on their bands at the top of the axes, horizontal; a name that would touch one
-    already placed moves down a row (rows are tried until it fits). Returns the lowest label's bottom, in
-    axes fraction (1.0 without labels), for the caller to keep the curves below it."""
+def _bands_and_names(fig, ax, segments: list, colours: dict[str, str]) -> float:
+    """Shade each phase window in its phase's colour, and write each phase NAME once, centred on its widest window,
+    in one row at the top of the axes; a name wider than its widest window, or touching a name already written, is
+    left to the legend (which names every band). Returns the names' bottom in axes fraction (1.0 without names), for
+    the caller to keep the curves below them."""
     import matplotlib.transforms as mtransforms
 
     trans = mtransforms.blended_transform_factory(ax.transData, ax.transAxes)
+    for phase, start, stop in segments:
+        ax.axvspan(start, stop, color=colours[phase], zorder=0, lw=0)
+    widest: dict[str, tuple[int, int]] = {}
+    for phase, start, stop in segments:
+        if phase not in widest or stop - start > widest[phase][1] - widest[phase][0]:
+            widest[phase] = (start, stop)
     renderer = fig.canvas.get_renderer()
     placed: list = []
-    for n, (phase, start) in enumerate(starts):
-        stop = starts[n + 1][1] if n + 1 < len(starts) else end
-        ax.axvspan(start, stop, color=PHASE_COLOURS[n % 2], zorder=0)
-        for row in range(len(starts)):
-            t = ax.text((start + stop) / 2, 0.985 - 0.05 * row, phase, transform=trans, ha="center", va="top",
-                        fontsize=8, color="#333333", clip_on=False)
-            box = t.get_window_extent(renderer).expanded(1.08, 1.1)
-            if not any(box.overlaps(b) for b in placed):
-                placed.append(box)
-                break
+    for phase, (start, stop) in sorted(widest.items(), key=lambda kv: kv[1][0] - kv[1][1]):  # widest first
+        t = ax.text((start + stop) / 2, 0.985, phase, transform=trans, ha="center", va="top", fontsize=8,
+                    color="#333333", clip_on=False)
+        box = t.get_window_extent(renderer).expanded(1.08, 1.1)
+        x0, x1 = (ax.transData.transform((v, 0))[0] for v in (start, stop))
+        if box.width > x1 - x0 or any(box.overlaps(b) for b in placed):
             t.remove()
+            continue
+        placed.append(box)
     if not placed:
         return 1.0
     return min(ax.transAxes.inverted().transform((0, b.y0))[1] for b in placed)
 
 
-def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
-    """Draw Figure 1 for up to two ``(label, result)`` pairs into ``out`` (PNG). Returns the path."""
-    import matplotlib
+def _matplotlib():
+    """matplotlib.pyplot on the Agg backend, or :class:`ReportInputError` naming the ``plot`` extra."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReportInputError("plot needs matplotlib: pip install 'pytest-rlhfmem[plot]'") from None
+    return plt
+
+
+def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
+    """Draw Figure 1 for up to two ``(label, result)`` pairs into ``out`` (PNG), one panel per run (each with its own
+    events and phase bands; one y scale for both). Returns the path."""
+    plt = _matplotlib()
+    from matplotlib.patches import Patch
 
     results = results[:2]
     tagged = len(results) > 1
-    fig, ax = plt.subplots(figsize=(11, 6), dpi=110)
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 6 if not tagged else 9.5), dpi=110, sharey=True,
+                             squeeze=False)
+    axes = [a for (a,) in axes]
     styles = ("-", "--")
     colours = {"reserved": "#c0392b", "allocated": "#2471a3", "reserved_without_fragmentation": "#229954"}
     names = {"reserved": "reserved", "allocated": "allocated",
              "reserved_without_fragmentation": "reserved w/o fragmentation"}
     unit, div = axis_unit(max(max(_peak_rank(r)["series"]["reserved"] or [0]) for _, r in results))
-    first_series = None
-    top = 0.0
-    for i, (label, result) in enumerate(results):
+    bands = phase_colours(results)
+    host_top = max((v for _, r in results for v in _host_per_phase(_peak_rank(r)).values()), default=0)
+    top = max(max(_peak_rank(r)["series"]["reserved"] or [0]) for _, r in results) / div
+    lowest, host, segments_of = 1.0, [], []
+    r0 = results[0][1]
+    sim = " (simulated: CPU trace through the allocator model)" if r0.get("simulated") else " (CUDA)"
+    for i, ((label, result), ax) in enumerate(zip(results, axes)):
         s = _peak_rank(result)["series"]
-        first_series = first_series or s
         x = s["index"]
         tag = f" ({label})" if tagged else ""
         for key in ("reserved", "allocated", "reserved_without_fragmentation"):
@@ -148,29 +187,38 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
         k = max(range(len(x)), key=lambda j: s["reserved"][j])
         j = max(range(len(x)), key=lambda q: s["reserved_without_fragmentation"][q])
         pr, rwf = s["reserved"][k] / div, s["reserved_without_fragmentation"][j] / div
-        top = max(top, pr)
         fill = colours["reserved"] if i == 0 else "white"
         ax.plot([x[k]], [pr], "o", color=colours["reserved"], mfc=fill, ms=7, zorder=5,
                 label=f"peak reserved {pr:.2f} {unit}{tag}")
         ax.plot([x[j]], [rwf], "s", color=colours["reserved_without_fragmentation"],
                 mfc=colours["reserved_without_fragmentation"] if i == 0 else "white", ms=6, zorder=5,
                 label=f"fragmentation-free peak {rwf:.2f} {unit}{tag}")
-    starts = first_series.get("phase_starts") or []
-    end = first_series["index"][-1] if first_series["index"] else 0
-    ax.set_ylim(bottom=0, top=(top or 1.0) * 1.15)
-    host = _plot_host_rss(ax, results, starts, end, tagged)
-    r0 = results[0][1]
-    sim = " (simulated: CPU trace through the allocator model)" if r0.get("simulated") else " (CUDA)"
-    ax.set_title(f"{r0['scenario_id']}{sim}" if not tagged else
+        segments = _segments(s)
+        segments_of.append(segments)
+        ax.set_xlim(0, max(segments[-1][2] if segments else 0, x[-1] if x else 0, 1))
+        ax.set_ylim(bottom=0, top=(top or 1.0) * 1.15)
+        host += _plot_host_rss(ax, (label, result), i, segments, host_top, tagged)
+        ax.set_xlabel(f"allocator events{f' of {label}' if tagged else ''}")
+        ax.set_ylabel(unit)
+        ax.grid(alpha=0.3)
+        if tagged:
+            ax.set_title(f"{label}: {result['scenario_id']}", fontsize=9, loc="left")
+    title = fig.suptitle(f"{r0['scenario_id']}{sim}" if not tagged else
                  f"{_flushless(r0['scenario_id'])}: {results[0][0]} vs {results[1][0]}{sim}", fontsize=10)
-    ax.set_xlabel("allocator events")
-    ax.set_ylabel(unit)
-    ax.grid(alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
+    handles, labels = [], []
+    for ax in axes:
+        h, lab = ax.get_legend_handles_labels()
+        handles += h
+        labels += lab
     handles += host
     labels += [h.get_label() for h in host]
-    leg = ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=8,
-                    ncol=2 if tagged else 3, frameon=False)
+    for name, colour in bands.items():  # what the shaded bands are: one entry per phase name
+        handles.append(Patch(facecolor=colour, edgecolor="#999999", lw=0.5))
+        labels.append(f"phase {name}")
+    last = axes[-1]
+    leg = last.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14 if tagged else -0.11),
+                      fontsize=8, ncol=3, frameon=False,
+                      title="shaded bands: the phase each allocator event fell in", title_fontsize=8)
     from .timing import compare_times, time_figure
 
     figs = [time_figure(r) for _, r in results]
@@ -178,12 +226,15 @@ def plot_results(results: list[tuple[str, dict]], out: str | Path) -> Path:
         tnote = compare_times(figs[0], figs[1])[1] + f" ({results[0][0]} vs {results[1][0]})"
     else:
         tnote = f"iteration time {figs[0].text()}" if figs[0] else ""
-    artists = [leg]
+    artists = [leg, title]
     if tnote:  # below the legend, outside the axes: nothing can cover it
-        artists.append(ax.annotate(tnote, xy=(0, 0), xycoords=leg, xytext=(0, -4), textcoords="offset points",
-                                   va="top", ha="left", fontsize=8, color="#555555"))
-    lowest = _place_phase_labels(fig, ax, starts, end)  # last: the layout is final, overlaps measured right
-    ax.set_ylim(bottom=0, top=(top or 1.0) / max(0.3, lowest - 0.04))  # the curves stay below the names
+        artists.append(last.annotate(tnote, xy=(0, 0), xycoords=leg, xytext=(0, -4), textcoords="offset points",
+                                     va="top", ha="left", fontsize=8, color="#555555"))
+    fig.tight_layout()
+    for ax, segments in zip(axes, segments_of):  # last: the layout is final, overlaps measured right
+        lowest = min(lowest, _bands_and_names(fig, ax, segments, bands))
+    for ax in axes:
+        ax.set_ylim(bottom=0, top=(top or 1.0) / max(0.3, lowest - 0.04))  # the curves stay below the names
     p = Path(out)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, bbox_inches="tight", bbox_extra_artists=artists)

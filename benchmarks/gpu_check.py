@@ -14,7 +14,7 @@ same machine, the public CS336 workloads both ways, one directory of tables and 
 2. ``builds``: DeepSpeed's JIT ops timed one by one, in parallel processes (``FusedAdamBuilder``, ``CPUAdamBuilder``,
    ``InferenceBuilder`` for the Hybrid Engine of OPT-1.3b; ``deepspeed/ops/op_builder``), the CPU route's ops and
    allocation recorder (``rlhf/launch.py: prebuild_ops``), and a probe of the simulated CUDA device
-   (``memory/device_libs.py: load(SIM_SOURCE)`` before ``import torch``), whose failure marks the fake-CUDA and
+   (``simcuda/build.py: load(SIM_SOURCE)`` before ``import torch``), whose failure marks the fake-CUDA and
    cuda-sim steps failed with its one line instead of running them.
 3. ``gpu-cells``: ``suites/test_deepspeed_chat_gpu1.py``, one pytest session per cell (``--rlhfmem-update-baselines
    --rlhfmem-json``, ``--gpu-marker require``), several at once under an estimate of each cell's GPU memory
@@ -341,7 +341,7 @@ CPU_OPS = ("from pytest_rlhfmem.rlhf.launch import prebuild_ops\n"
            "print(f\"BUILT cpu {prebuild_ops('cpu', ['ShareMemCommBuilder', 'CPUAdamBuilder']):.2f}\")\n")
 # torch registers its CUDA hooks while it is imported: a CUDA build's own registration beside the simulated device's
 # is what can fail here (c10's registry refuses a key registered twice)
-SIM_PROBE = ("from pytest_rlhfmem.memory.device_libs import SIM_SOURCE, load\nload(SIM_SOURCE)\nimport torch\n"
+SIM_PROBE = ("from pytest_rlhfmem.simcuda.build import SIM_SOURCE, load\nload(SIM_SOURCE)\nimport torch\n"
              "print('SIM ok', torch.__version__)\n")
 
 

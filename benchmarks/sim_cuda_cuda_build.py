@@ -44,10 +44,10 @@ print("CELL " + json.dumps({"status": r["status"], "error": r.get("error"), "tot
 """
 PROBE = """
 import json
-from pytest_rlhfmem.memory.device_libs import SIM_SOURCE, library_path, load_built
+from pytest_rlhfmem.simcuda.build import SIM_SOURCE, library_path, load_built
 took = load_built(library_path(SIM_SOURCE))
 import torch
-from pytest_rlhfmem.memory.sim_cuda import drop_python_gpu_kernels
+from pytest_rlhfmem.simcuda.library import drop_python_gpu_kernels
 print("PROBE " + json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "took": took,
                              "dropped": drop_python_gpu_kernels()}))
 """

@@ -1,6 +1,6 @@
 """Wall time of a plain CUDA script that asks ``torch.cuda`` for memory figures after every step, captured on the
 simulated CUDA device (``rlhfmem capture --device cuda-sim``): each ``memory_allocated()`` answers from the
-allocator model fed the device's log so far (``command/sim_device.py: LiveAllocator``).
+allocator model fed the device's log so far (``simcuda/torch_cuda.py: LiveAllocator``).
 
     python -m benchmarks.sim_cuda_queries [--keep 20000] [--queries 2000]
 

@@ -8,10 +8,10 @@ The public recorder API (no torch import here; every call is a no-op without an 
         ...
     rlhfmem.flush_point("after-generate")
 
-See :mod:`pytest_rlhfmem.api`.
+See :mod:`pytest_rlhfmem.record.api`.
 """
 
-from .api import (
+from .record.api import (
     NULL_PHASE, active, deepspeed_offload, flush_point, host_resident, moved_to_device, moved_to_host, phase,
 )
 

@@ -55,7 +55,7 @@ from .units import format_size, parse_size
 
 SCHEMA = 1
 DEVICE_SIZE_BUDGETS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak")
-# Host figures are measured for real on every machine (memory/host.py). The gated host figure is the growth of
+# Host figures are measured for real on every machine (record/host.py). The gated host figure is the growth of
 # anonymous resident memory over its value once the frameworks are imported: what the iteration itself
 # allocates on the host. RSS (``host_peak_rss``, ``host_rss_growth``, still reported) also holds the resident
 # pages of mapped shared libraries, which moved between environments with identical packages (the same
@@ -68,7 +68,7 @@ REPORTED_NOT_BUDGETED = {
                        "between environments",
 }
 # ZeRO-Infinity's (NVMe offload) figures, measured: bytes read from / written to storage (/proc/self/io) and
-# bytes in DeepSpeed's swap staging buffers (memory/host.py). Gated only where an entry records them:
+# bytes in DeepSpeed's swap staging buffers (record/host.py). Gated only where an entry records them:
 # entry_from_result writes them for results that held staging buffers, so no other entry changes.
 SWAP_BUDGETS = ("storage_read_bytes", "storage_write_bytes", "host_staging_bytes")
 SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS

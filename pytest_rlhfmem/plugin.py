@@ -18,7 +18,7 @@ import pytest
 from . import budgets as B
 from . import hardware
 from .hardware import CudaDevice, gpu_shortfall, profile_name
-from .memory.host import format_rss
+from .record.host import format_rss
 from .results import IterationResult, strip_for_summary
 from .units import format_size
 

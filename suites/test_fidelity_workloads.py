@@ -14,7 +14,7 @@ import pytest
 
 from pytest_rlhfmem.memory.address_order import address_order_spread
 from pytest_rlhfmem.fidelity.workloads import WORKLOADS, capture_in_child, captured_figures, compare, recorded_figures
-from pytest_rlhfmem.memory.emulation import EmulationSettings
+from pytest_rlhfmem.record.emulation import EmulationSettings
 from pytest_rlhfmem.shared_snapshots import missing_reason, snapshot_path
 
 

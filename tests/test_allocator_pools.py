@@ -68,7 +68,7 @@ def test_unbalanced_markers_are_named():
 
 
 def test_cpu_capture_pool_markers_reach_the_replay():
-    from pytest_rlhfmem.memory.capture import Recorder
+    from pytest_rlhfmem.record.recorder import Recorder
     from pytest_rlhfmem.memory.replay import replay
     from pytest_rlhfmem.memory.trace import POOL_ENTER, POOL_EXIT, Trace
 

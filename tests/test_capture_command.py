@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import DATA
 
-from pytest_rlhfmem.capture import merge_windows
+from pytest_rlhfmem.record.rank import merge_windows
 
 pytest_plugins = ["pytester"]
 

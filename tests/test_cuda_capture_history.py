@@ -18,8 +18,8 @@ import time
 import pytest
 
 from helpers import shared_snapshot
-from pytest_rlhfmem.capture import RankCapture
-from pytest_rlhfmem.memory import capture as mc
+from pytest_rlhfmem.record.rank import RankCapture
+from pytest_rlhfmem.record import recorder as mc
 from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, PHASE, PHASE_END, load_snapshot
 from pytest_rlhfmem.rlhf.scenario import Scenario
 
@@ -147,7 +147,7 @@ def test_the_recorder_refuses_a_wrapped_history_on_stop(monkeypatch):
 def _cpu_capture(tmp_path, monkeypatch, fail_with: Exception):
     import torch
 
-    from pytest_rlhfmem import capture as cap_mod
+    from pytest_rlhfmem.record import rank as cap_mod
 
     def failing(*args, **kwargs):
         raise fail_with

@@ -1,4 +1,4 @@
-"""The CPU capture's CUDA emulation (pytest_rlhfmem/memory/emulation.py): each adjustment on its own."""
+"""The CPU capture's CUDA emulation (pytest_rlhfmem/record/emulation.py): each adjustment on its own."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pytest_rlhfmem import budgets as B
-from pytest_rlhfmem.memory import emulation as E
-from pytest_rlhfmem.memory.capture import Recorder
+from pytest_rlhfmem.record import emulation as E
+from pytest_rlhfmem.record.recorder import Recorder
 from pytest_rlhfmem.memory.events import CUBLAS_WORKSPACE
 from pytest_rlhfmem.memory.trace import ALLOC
 

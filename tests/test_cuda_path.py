@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import shared_snapshot
-from pytest_rlhfmem.memory.capture import PhaseRecord, Recorder, cuda_phase_stats, cuda_trace_with_marks
+from pytest_rlhfmem.record.recorder import PhaseRecord, Recorder, cuda_phase_stats, cuda_trace_with_marks
 from pytest_rlhfmem.memory.trace import CAPTURE_CUDA, FLUSH, PHASE, load_snapshot
 from pytest_rlhfmem.rlhf import launch
 from pytest_rlhfmem.rlhf.scenario import Scenario
@@ -28,7 +28,7 @@ def test_phase_marks_merge_into_the_recorded_trace_by_time():
 
 
 def test_cuda_rank_result_uses_the_real_allocator_figures():
-    from pytest_rlhfmem.capture import rank_result
+    from pytest_rlhfmem.record.rank import rank_result
 
     snap = load_snapshot(shared_snapshot("cs336_ctx256_fwd"))
     trace = cuda_trace_with_marks(snap, _marks(snap))

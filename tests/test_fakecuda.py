@@ -84,7 +84,7 @@ def test_tiny_deepspeed_chat_iteration_on_the_fake_route(tmp_path):
 
 @pytest.mark.parametrize("strategy", ("none", "zero3-offload"))
 def test_tiny_deepspeed_chat_iteration_on_the_simulated_device(tmp_path, strategy):
-    """The same recipe with ``tensors="sim"``: the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``) in
+    """The same recipe with ``tensors="sim"``: the simulated CUDA device (``simcuda/csrc/sim_cuda.cpp``) in
     place of ``FakeTensorMode``, the route ``studies/study_scale.py`` uses by default."""
     sc = Scenario("deepspeed-chat", "tiny-opt", strategy, "after-inference", 2)
     results = run_fake_cuda(sc, work_dir=tmp_path, without_flush=True, timeout=900, tensors="sim")
@@ -228,10 +228,10 @@ def test_injected_kernels_are_refused_where_they_cannot_run(tmp_path):
 
 
 def test_record_stream_holds_a_freed_block_until_the_host_waits_for_its_stream():
-    """``until-sync`` (memory/sim_cuda.py): CUDACachingAllocator.cpp's ``recordStream`` ignores the block's own
+    """``until-sync`` (simcuda/library.py): CUDACachingAllocator.cpp's ``recordStream`` ignores the block's own
     stream; a block used on another stream is requested free where the program freed it (action 5: the stats
     drop there) and returns to its pool at the host's next wait for that stream (or for all)."""
-    from pytest_rlhfmem.memory.sim_cuda import delay_record_stream_frees
+    from pytest_rlhfmem.simcuda.library import delay_record_stream_frees
 
     ev = [(1, 0xA, 512, 0, 1), (1, 0xB, 512, 0, 2), (1, 0xC, 512, 7, 3),
           (3, 0xA, 0, 7, 4), (3, 0xB, 0, 0, 5), (3, 0xC, 0, 7, 6),  # A used on 7; B and C on their own stream

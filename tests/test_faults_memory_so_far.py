@@ -1,6 +1,6 @@
 """Issue 38 item 4's remainder: a CPU (or cuda-sim) rank killed by a signal leaves its simulated device figures so
 far. Its progress file carries, at each phase change, the peaks of the trace recorded so far replayed through the
-allocator model, advanced by the rows since the last phase change (memory/capture.py: SoFar), and the failure
+allocator model, advanced by the rows since the last phase change (record/recorder.py: SoFar), and the failure
 line shows them, labelled simulated."""
 
 import json
@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import yaml
 
-from pytest_rlhfmem.memory import emulation
-from pytest_rlhfmem.memory.capture import Recorder
+from pytest_rlhfmem.record import emulation
+from pytest_rlhfmem.record.recorder import Recorder
 from pytest_rlhfmem.memory.replay import FREE_RUNNING, replay
 from pytest_rlhfmem.units import parse_size
 

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from pytest_rlhfmem import budgets as B
-from pytest_rlhfmem.memory import host
-from pytest_rlhfmem.memory.host import HOST_HEAP_NAMES, HOST_SWAP_NAMES, HostMemory
+from pytest_rlhfmem.record import host
+from pytest_rlhfmem.record.host import HOST_HEAP_NAMES, HOST_SWAP_NAMES, HostMemory
 
 
 def _hold_anon(nbytes: int, seconds: float) -> None:

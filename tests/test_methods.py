@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_rlhfmem.memory import host as host_mod
-from pytest_rlhfmem.memory.host import RSS_HWM, RSS_SAMPLED, HostMemory
+from pytest_rlhfmem.record import host as host_mod
+from pytest_rlhfmem.record.host import RSS_HWM, RSS_SAMPLED, HostMemory
 from pytest_rlhfmem.rlhf import critic_free
 from pytest_rlhfmem.rlhf.models import MODEL_PAIRS, ModelPair, ModelSpec
 from pytest_rlhfmem.rlhf.scenario import Scenario, ScenarioError

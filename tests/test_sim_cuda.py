@@ -1,5 +1,5 @@
 """A user's CUDA script, unchanged, under ``rlhfmem capture --device cuda-sim`` on this CPU-only machine
-(the simulated CUDA device: ``fakecuda/csrc/sim_cuda.cpp``, ``memory/sim_cuda.py``, ``command/sim_device.py``).
+(the simulated CUDA device: ``simcuda/csrc/sim_cuda.cpp``, ``simcuda/library.py``, ``simcuda/torch_cuda.py``).
 
 The scripts in tests/data/commands are plain CUDA scripts (``device="cuda"``, ``.to("cuda")``,
 ``torch.autocast("cuda")``, ``torch.cuda.*``, no rlhfmem import); the checks read what the scripts themselves

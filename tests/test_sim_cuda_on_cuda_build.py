@@ -1,5 +1,5 @@
-"""The simulated CUDA device beside a CUDA build's own registrations (``memory/device_libs.py: load_built``,
-``fakecuda/csrc/sim_cuda.cpp``: "on a CUDA build of torch").
+"""The simulated CUDA device beside a CUDA build's own registrations (``simcuda/build.py: load_built``,
+``simcuda/csrc/sim_cuda.cpp``: "on a CUDA build of torch").
 
 A CUDA build's libtorch_cuda registers, while torch is imported, the "CUDAHooks" class (c10's Registry exits the
 process on a second key of the same priority), real CUDA kernels (a direct kernel wins over the device's fallback
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from pytest_rlhfmem.command.run import sim_cuda_library
-from pytest_rlhfmem.memory.device_libs import _torch_dir
+from pytest_rlhfmem.cbuild import build_library
+from pytest_rlhfmem.simcuda.build import FakeCudaUnavailable
 
 # What libtorch_cuda registers, one of each kind; every kernel raises (a GPU kernel cannot run here).
 STANDIN = r"""
@@ -56,12 +57,12 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
-from pytest_rlhfmem.memory.device_libs import load_built
-from pytest_rlhfmem.memory import sim_cuda
+from pytest_rlhfmem.simcuda.build import load_built
+from pytest_rlhfmem.simcuda import library as sim_cuda
 took = load_built(sys.argv[1], cuda_libraries=[Path(p) for p in sys.argv[2:]])
 import os; os.environ[sim_cuda.ENV_LIBRARY] = sys.argv[1]
 import torch
-torch.cuda._lazy_init = lambda: None  # torch.cuda's Python side, as command/sim_device.py answers it
+torch.cuda._lazy_init = lambda: None  # torch.cuda's Python side, as simcuda/torch_cuda.py answers it
 lib = sim_cuda.library()
 x = torch.ones(4, 8, device="cuda", requires_grad=True)
 z = x @ x.t() + 1
@@ -83,13 +84,10 @@ print("RESULT " + json.dumps({"took": took, "sizes": [e[2] for e in events], "ac
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("cudabuild")
-    src, out = d / "standin_torch_cuda.cpp", d / "libstandin_torch_cuda.so"
+    src = d / "standin_torch_cuda.cpp"
     src.write_text(STANDIN)
-    torch_dir = _torch_dir()
-    subprocess.run(["g++", "-O0", "-shared", "-fPIC", "-std=c++20", "-w", f"-I{torch_dir / 'include'}",
-                    f"-I{torch_dir / 'include/torch/csrc/api/include'}", str(src), f"-L{torch_dir / 'lib'}", "-lc10",
-                    "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", str(out)], check=True, timeout=600)
-    return out
+    # the project's one build function (cached by content): the stand-in links torch as the device libraries do
+    return build_library(src, FakeCudaUnavailable, ("-O0", "-shared", "-fPIC", "-std=c++20", "-w"), torch=True)
 
 
 def run(*cuda_libraries: Path) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -55,7 +55,7 @@ def _capture(args: argparse.Namespace) -> int:
     from ..rlhf.cli_run import finish_runs, phase_table
     from .run import CommandError, default_id, plan_command, run_command
     from ..memory.driver_va import ENV_SEGMENT_PLACEMENT, SegmentPlacement
-    from ..memory.sim_cuda import ENV_SDPA
+    from ..simcuda.library import ENV_SDPA
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:

@@ -1,6 +1,6 @@
 """``rlhfmem capture``: each process of the user's command that imports torch is recorded as a rank (started by
 ``bootstrap/sitecustomize.py`` when torch finishes importing), through the per-rank capture the recipes use
-too (``pytest_rlhfmem/capture.py``: :class:`~pytest_rlhfmem.capture.RankCapture`)."""
+too (``pytest_rlhfmem/record/rank.py``: :class:`~pytest_rlhfmem.record.rank.RankCapture`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..capture import ROOT_PHASE, RankCapture
+from ..record.rank import ROOT_PHASE, RankCapture
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def start_command_capture() -> None:
         torch.cuda.init()
     description, extra = {}, None
     if device == "cuda-sim":  # the user's CUDA script on the simulated device: torch.cuda answered first
-        from .sim_device import SCALAR_SITES, install
+        from ..simcuda.torch_cuda import SCALAR_SITES, install
 
         description["torch_cuda_answered"] = install(lambda: _command_capture.rec)
         extra = lambda: {"scalar_answers": SCALAR_SITES.sites}  # noqa: E731 - file:line names: not compared

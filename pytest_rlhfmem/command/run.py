@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..memory.capture import history_settings
+from ..record.recorder import history_settings
 from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, resolve_device,
                            run_process_group)
 from ..rlhf.scenario import ScenarioError
@@ -158,7 +158,7 @@ def _shown_path(path: str) -> str:
     return str(p)
 
 
-SIM_DEVICE = "cuda-sim"  # a CUDA script, unchanged, on the simulated CUDA device (memory/sim_cuda.py)
+SIM_DEVICE = "cuda-sim"  # a CUDA script, unchanged, on the simulated CUDA device (simcuda/library.py)
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,7 +167,7 @@ def sim_cuda_library() -> str:
     Raises :class:`CommandError` (one line) when it cannot be built here."""
     from filelock import FileLock
 
-    from ..memory.device_libs import SIM_SOURCE, FakeCudaUnavailable, library_path
+    from ..simcuda.build import SIM_SOURCE, FakeCudaUnavailable, library_path
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
@@ -185,7 +185,7 @@ def recorder_library() -> str | None:
     to torch.profiler, and their results say so). Loads torch in this process, once per process."""
     from filelock import FileLock
 
-    from ..memory.cpu_recorder import load_recorder
+    from ..record.cpu_recorder import load_recorder
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
     cache.mkdir(parents=True, exist_ok=True)
@@ -205,7 +205,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 
     A crash, OOM or hang of any rank is a result with ``status`` ``failed`` and its rank, phase and
     memory so far (never an exception). ``env`` adds to this process's environment. ``cuda_emulation``
-    (``on``/``off``) is the CPU capture's CUDA emulation (``memory/emulation.py``), as for the recipes. Raises
+    (``on``/``off``) is the CPU capture's CUDA emulation (``record/emulation.py``), as for the recipes. Raises
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
     command that ended before any rank imported torch, or one whose ranks allocated no device memory
     (with a non-zero exit status: "exited with code N before its first allocation"; nothing was measured).

@@ -9,12 +9,12 @@ through the allocator model like any CPU capture; every figure from it is *simul
 
 Pieces, in the order a run uses them:
 
-- ``native.py``: a small shared library (c10's test ``FakeGuardImpl`` for CUDA and CUDA hooks with
-  ``hasCUDA() = true``) built with g++ and loaded before ``import torch``. Importing this package never
-  imports torch, so the worker can load the library first.
+- ``simcuda/build.py`` (the simulated device's package): a small shared library (``simcuda/csrc/fake_cuda.cpp``:
+  c10's test ``FakeGuardImpl`` for CUDA and CUDA hooks with ``hasCUDA() = true``) built with g++ and loaded
+  before ``import torch``. Importing this package never imports torch, so the worker can load the library first.
 - ``recorder.py``: :class:`FakeCudaRecorder` (the recipe's ``rec``) and the dispatch mode that records
   storages, answers ``.item()`` and adds the cuBLAS workspace.
-- ``standins.py``: what a CPU build lacks for DeepSpeed's CUDA code paths (streams, events, device
-  calls, FusedAdam), each stand-in named.
+- ``standins.py``: what a CPU build lacks for DeepSpeed's CUDA code paths (device calls, FusedAdam; the
+  streams and events are ``simcuda/streams.py``'s), each stand-in named.
 - ``worker.py``: one simulated rank in a fresh process; ``run.py`` starts it.
 """

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..memory.capture import PhaseRecord
+from ..record.recorder import PhaseRecord
 from ..memory.events import CUBLAS_WORKSPACE
 from ..memory.trace import ALLOC, CAPTURE_FAKE_CUDA_SIMULATED, FLUSH, FREE, PHASE, Event, Trace
 
@@ -125,7 +125,7 @@ def count_placement(placement: dict[str, int], tensors: Iterable) -> None:
 
 @dataclass
 class FakeCudaRecorder:
-    """The recipe's ``rec`` for a fake-CUDA run: same interface as ``memory.capture.Recorder``.
+    """The recipe's ``rec`` for a fake-CUDA run: same interface as ``record.recorder.Recorder``.
 
     Use ``start()`` before building models (inside ``FakeTensorMode``), ``phase(name)`` around each
     phase, ``flush(point)``, then ``stop()`` for the :class:`~..memory.trace.Trace` (bytes; ``capture``
@@ -335,12 +335,12 @@ class _RecordingMode(TorchDispatchMode):
 
 
 def sim_device_recorder(on_phase: object = None):
-    """The recipe's ``rec`` on the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``): a
-    :class:`~..memory.capture.Recorder` reading the device's own allocation log (``memory/sim_cuda.py``:
+    """The recipe's ``rec`` on the simulated CUDA device (``simcuda/csrc/sim_cuda.cpp``): a
+    :class:`~pytest_rlhfmem.record.recorder.Recorder` reading the device's own allocation log (``simcuda/library.py``:
     ``SimCudaRows``), with the fake route's placement check. Create after the device's library is loaded
     and ``torch`` imported."""
-    from ..memory.capture import Recorder
-    from ..memory.sim_cuda import SimCudaRows
+    from ..record.recorder import Recorder
+    from ..simcuda.library import SimCudaRows
 
     @dataclass
     class SimDeviceRecorder(Recorder):

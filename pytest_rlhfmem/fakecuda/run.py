@@ -32,11 +32,11 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
     """Run ``scenario`` (deepspeed-chat) as rank ``rank`` on the fake-CUDA route.
 
     ``tensors``: ``fake`` (``FakeTensorMode`` and the dispatcher recorder) or ``sim`` (the simulated CUDA
-    device of ``fakecuda/csrc/sim_cuda.cpp``: meta kernels in C++, several times less CPU time). ``sdpa``
+    device of ``simcuda/csrc/sim_cuda.cpp``: meta kernels in C++, several times less CPU time). ``sdpa``
     (``sim`` only): the attention kernel the device models, ``math`` (default: the score matrix is kept) or
     ``efficient`` (memory-efficient attention: output and logsumexp); the result's ``capture_description`` names it.
     ``record_stream`` (``sim`` only): when a freed block used on another stream returns to its pool,
-    ``immediate`` (default) or ``until-sync`` (``memory/sim_cuda.py: RECORD_STREAM_MODES``).
+    ``immediate`` (default) or ``until-sync`` (``simcuda/library.py: RECORD_STREAM_MODES``).
 
     Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
     without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
@@ -73,14 +73,14 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
         if tensors != "sim":
             raise ValueError(f"sdpa={sdpa!r} chooses the simulated CUDA device's attention kernel: "
                              "it needs tensors='sim'")
-        from ..memory.sim_cuda import ENV_SDPA, sdpa_backend
+        from ..simcuda.library import ENV_SDPA, sdpa_backend
 
         env[ENV_SDPA] = sdpa_backend(sdpa)
     if record_stream is not None:
         if tensors != "sim":
             raise ValueError(f"record_stream={record_stream!r} is modelled on the simulated CUDA device: it needs "
                              "tensors='sim'")
-        from ..memory.sim_cuda import ENV_RECORD_STREAM, record_stream_mode
+        from ..simcuda.library import ENV_RECORD_STREAM, record_stream_mode
 
         env[ENV_RECORD_STREAM] = record_stream_mode(record_stream)
     log = work / f"{name}.log"

@@ -42,9 +42,9 @@ def _step(device: str, rec) -> None:
 
 def main(route: str) -> list:
     if route == "fake":
-        from . import native
+        from ..simcuda import build
 
-        native.load()
+        build.load()
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -62,7 +62,7 @@ def main(route: str) -> list:
     else:
         import torch
 
-        from ..memory.capture import Recorder
+        from ..record.recorder import Recorder
 
         torch.set_num_threads(1)
         rec = Recorder("cpu", cuda_emulation=None)  # the raw CPU recorder: the fake route's own adjustments

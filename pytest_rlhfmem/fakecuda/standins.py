@@ -25,92 +25,17 @@ Stand-ins with a memory consequence (stated in every result's ``standins``):
 from __future__ import annotations
 
 import contextlib
-import itertools
 import sys
-import types
 from typing import Any
 
 import torch
 
-from .recorder import FakeCudaRecorder
+from ..simcuda.streams import (DEFAULT_STREAM, STREAMS, Event, Stream, current_stream_of, device_stream,
+                               host_waits, set_host_waits)
+from ..simcuda.torch_cuda import ScalarSites, device_properties
+from .recorder import FakeCudaRecorder, _caller
 
 _RECORDER: FakeCudaRecorder | None = None
-_stream_ids = itertools.count(1)
-# The simulated device's log of host waits, when record_stream is modelled ``until-sync`` (install_sim): called
-# with the stream id the host waits for (-1: every stream); None otherwise.
-_HOST_WAITS: Any = None
-
-
-def _host_waits(stream_id: int) -> None:
-    if _HOST_WAITS is not None:
-        _HOST_WAITS(stream_id)
-
-
-class FakeStream:
-    """A CUDA stream stand-in: an id that the recorder attaches to allocations made under it."""
-
-    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        self.stream_id = next(_stream_ids)
-        self.device = torch.device("cuda", 0)
-        self.priority = priority
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> FakeEvent:
-        event = event if event is not None else FakeEvent()
-        event.record(self)
-        return event
-
-    def synchronize(self) -> None:
-        _host_waits(self.stream_id)
-
-    def query(self) -> bool:
-        return True
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, FakeStream) and other.stream_id == self.stream_id
-
-    def __hash__(self) -> int:
-        return hash(("FakeStream", self.stream_id))
-
-    def __repr__(self) -> str:
-        return f"FakeStream(id={self.stream_id})"
-
-
-class _DefaultStream(FakeStream):
-    def __init__(self) -> None:
-        super().__init__()
-        self.stream_id = 0
-
-
-DEFAULT_STREAM = _DefaultStream()
-_streams: dict[int, FakeStream] = {0: DEFAULT_STREAM}
-
-
-class FakeEvent:
-    """A CUDA event stand-in: records and waits are no-ops; elapsed time is 0."""
-
-    def __init__(self, *_: Any, **__: Any) -> None:
-        self.stream_id = -1  # not recorded yet: a wait for it waits for nothing we know, so for every stream
-
-    def record(self, stream: Any = None) -> None:
-        self.stream_id = getattr(stream if stream is not None else torch.cuda.current_stream(), "stream_id", -1)
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        _host_waits(self.stream_id)
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
 
 
 @contextlib.contextmanager
@@ -119,14 +44,13 @@ def stream_context(stream: Any):
     if stream is None or _RECORDER is None:
         yield
         return
-    _streams[stream.stream_id] = stream
+    STREAMS[stream.stream_id] = stream
     with _RECORDER.stream(stream.stream_id):
         yield
 
 
-def current_stream(device: Any = None) -> FakeStream:
-    sid = _RECORDER.current_stream if _RECORDER is not None else 0
-    return _streams.get(sid, DEFAULT_STREAM)
+def current_stream(device: Any = None) -> Stream:
+    return current_stream_of(_RECORDER.current_stream if _RECORDER is not None else 0)
 
 
 def _const(value: Any):
@@ -250,33 +174,27 @@ def install(recorder: FakeCudaRecorder, deepspeed: bool = True) -> list[str]:
 
 
 def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
-    """Stand-ins for a run on the simulated CUDA device (``fakecuda/csrc/sim_cuda.cpp``; ``lib`` its loaded
-    library, ``memory/sim_cuda.py: library()``): real tensors with CUDA dispatch keys, so only what that
+    """Stand-ins for a run on the simulated CUDA device (``simcuda/csrc/sim_cuda.cpp``; ``lib`` its loaded
+    library, ``simcuda/library.py: library()``): real tensors with CUDA dispatch keys, so only what that
     device does not answer. ``torch.cuda.is_available()`` is True there (CUDA tensors can be made);
     streams tag the device's allocations through ``lib``; ``.item()`` call sites on device tensors are
     counted into ``scalar_answers`` (the device answers by dtype, as :data:`.recorder.SCALAR_ANSWERS`);
     a device tensor's ``repr`` prints no values (it has none; on a GPU, printing computes on the device).
     Returns the stand-ins' names."""
-    global _SIM_LIB, _HOST_WAITS
-    import ctypes
-
-    from ..memory.sim_cuda import (ALL_STREAMS, LOG_RECORD_STREAM, LOG_SYNC, drop_python_gpu_kernels,
+    from ..simcuda.library import (ALL_STREAMS, LOG_RECORD_STREAM, LOG_SYNC, drop_python_gpu_kernels,
                                    record_stream_mode)
 
-    lib.rlhfmem_sim_cuda_stream.restype = ctypes.c_int64
-    _SIM_LIB = lib
     until_sync = record_stream_mode() == "until-sync"
-    props = types.SimpleNamespace(name="rlhfmem simulated CUDA device (RTX 3090 geometry)", total_memory=24 * 2**30,
-                                  major=8, minor=6, multi_processor_count=82, is_integrated=False,
-                                  is_multi_gpu_board=False)
+    props = device_properties()
     waits = {}
-    if until_sync:  # the device's log gets record_stream and host waits (memory/sim_cuda.py: delay_record_stream_frees)
-        _HOST_WAITS = lambda sid: lib.rlhfmem_sim_cuda_log(LOG_SYNC, 0, sid)  # noqa: E731
-        waits = {"synchronize": lambda device=None: _host_waits(ALL_STREAMS),
-                 "empty_cache": lambda: _host_waits(ALL_STREAMS)}  # synchronize_and_free_events first
+    if until_sync:  # the device's log gets record_stream and host waits (simcuda/library.py: delay_record_stream_frees)
+        set_host_waits(lambda sid: lib.rlhfmem_sim_cuda_log(LOG_SYNC, 0, sid))
+        waits = {"synchronize": lambda device=None: host_waits(ALL_STREAMS),
+                 "empty_cache": lambda: host_waits(ALL_STREAMS)}  # synchronize_and_free_events first
     names = _install_torch_cuda({
         "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": _const(None),
-        "init": _const(None), "stream": sim_stream_context, "current_stream": sim_current_stream,
+        "init": _const(None), "stream": lambda s: device_stream(lib, s),
+        "current_stream": lambda device=None: current_stream_of(lib.rlhfmem_sim_cuda_stream()),
         "get_device_properties": lambda device=None: props, "get_device_name": lambda device=None: props.name,
         "mem_get_info": lambda device=None: (props.total_memory, props.total_memory), **waits,
     })
@@ -291,7 +209,10 @@ def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
     else:
         torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
         names.append("Tensor.record_stream: no-op (the block is reusable at its free: immediate)")
-    _count_scalar_sites(scalar_answers)
+    sites = ScalarSites(site=lambda call: _caller(skip_libs=("pytest_rlhfmem/simcuda/",)), op_key="op",
+                        on_read=lambda t: host_waits(getattr(torch.cuda.current_stream(), "stream_id", 0)))
+    sites.sites = scalar_answers  # the recorder's: counted into its result
+    sites.install(torch)
     names.append("Tensor.item/__bool__/__int__/__float__/tolist on device tensors: call sites counted")
     original_repr = torch.Tensor.__repr__
 
@@ -351,48 +272,6 @@ def _skip_host_weight_init() -> None:
     PreTrainedModel._initialize_weights = _initialize_weights
 
 
-_SIM_LIB: Any = None
-
-
-@contextlib.contextmanager
-def sim_stream_context(stream: Any):
-    """``torch.cuda.stream(s)`` on the simulated device: its allocations carry ``s``'s id."""
-    if stream is None:
-        yield
-        return
-    _streams[stream.stream_id] = stream
-    old = _SIM_LIB.rlhfmem_sim_cuda_stream()
-    _SIM_LIB.rlhfmem_sim_cuda_set_stream(stream.stream_id)
-    try:
-        yield
-    finally:
-        _SIM_LIB.rlhfmem_sim_cuda_set_stream(old)
-
-
-def sim_current_stream(device: Any = None) -> FakeStream:
-    return _streams.get(_SIM_LIB.rlhfmem_sim_cuda_stream(), DEFAULT_STREAM)
-
-
-def _count_scalar_sites(sites: dict[str, dict]) -> None:
-    """Wrap the Python calls that read a device tensor's value; count each call site (``file:line``)."""
-    from .recorder import _caller
-
-    for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(t: torch.Tensor, *a: Any, _original: Any = original, _name: str = name, **k: Any) -> Any:
-            value = _original(t, *a, **k)
-            if t.device.type == "cuda":
-                _host_waits(getattr(torch.cuda.current_stream(), "stream_id", 0))  # a read waits for its stream
-                entry = sites.setdefault(_caller(), {"op": _name, "dtype": str(t.dtype).replace("torch.", ""),
-                                                     "answer": value if _name != "tolist" else "list", "count": 0})
-                entry["count"] += 1
-            return value
-
-        wrapper.__name__ = name
-        setattr(torch.Tensor, name, wrapper)
-
-
 def _install_torch_cuda(extra: dict[str, Any]) -> list[str]:
     """``torch.cuda``'s device, stream, event, memory-statistic and RNG functions (``extra`` adds or
     overrides entries); returns the names."""
@@ -400,7 +279,7 @@ def _install_torch_cuda(extra: dict[str, Any]) -> list[str]:
     cuda = torch.cuda
     replacements = {
         "set_device": _noop, "current_device": _zero, "device_count": lambda: 8, "synchronize": _noop,
-        "Stream": FakeStream, "Event": FakeEvent, "stream": stream_context, "current_stream": current_stream,
+        "Stream": Stream, "Event": Event, "stream": stream_context, "current_stream": current_stream,
         "default_stream": lambda device=None: DEFAULT_STREAM, "empty_cache": _noop,
         "memory_allocated": _zero, "max_memory_allocated": _zero, "memory_reserved": _zero,
         "max_memory_reserved": _zero, "memory_cached": _zero, "max_memory_cached": _zero,

@@ -82,14 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sim = args.tensors == "sim"
     if sim:
-        from ..memory.device_libs import SIM_SOURCE, library_path
-        from ..memory.sim_cuda import load_before_torch
+        from ..simcuda.build import SIM_SOURCE, library_path
+        from ..simcuda.library import load_before_torch
 
         load_before_torch(str(library_path(SIM_SOURCE)))  # before torch
     else:
-        from . import native
+        from ..simcuda import build
 
-        native.load()  # before torch
+        build.load()  # before torch
     os.environ["DS_ACCELERATOR"] = "cuda"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from ..rlhf.scenario import Scenario
-    from ..capture import rank_result
+    from ..record.rank import rank_result
     from . import standins
     from .recorder import FakeCudaRecorder, sim_device_recorder
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     if sim:
-        from ..memory.sim_cuda import library
+        from ..simcuda.library import library
 
         rec = sim_device_recorder()
         names = standins.install_sim(library(), rec.scalar_answers)

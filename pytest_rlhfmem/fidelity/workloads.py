@@ -2,7 +2,7 @@
 
 A workload here is the exact program behind one real snapshot of ``shared/snapshots`` (see its
 README): the same model, the same steps, the same order of device allocations. :func:`capture` runs it
-on CPU under :class:`~pytest_rlhfmem.memory.capture.Recorder` (CUDA emulation as given) and returns the
+on CPU under :class:`~pytest_rlhfmem.record.recorder.Recorder` (CUDA emulation as given) and returns the
 trace; :func:`compare` replays both and returns the figures side by side.
 
 The recorded window: ``memory_profile`` (``cs336_systems/nsys_profile.py``, Wedsonlin/assignment2-systems
@@ -18,8 +18,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from ..memory.capture import Recorder
-from ..memory.emulation import EmulationSettings
+from ..record.recorder import Recorder
+from ..record.emulation import EmulationSettings
 from ..memory.replay import ANCHORED, FREE_RUNNING, replay
 from ..memory.trace import ALLOC, PHASE, Trace, load_snapshot, trace_from_snapshot
 from .cs336_lm import AdamW, TransformerLM, cross_entropy, lm_config, module_to_order

@@ -3,7 +3,7 @@
 A :class:`Trace` is a list of :class:`Event` in time order plus the device state before the first
 event (:class:`SegmentState`); the ``*`` constants are the event actions and the ``CAPTURE_*`` labels
 say how a trace was obtained. The formats that read and write traces (``trace.py``: snapshot pickles;
-``trace_io.py``: ``.rlhftrace`` files), the recorders (``capture.py``) and the replay engines all build on
+``trace_io.py``: ``.rlhftrace`` files), the recorders (``record/``) and the replay engines all build on
 this module, which imports nothing above the allocator model's pool id. Sizes are bytes.
 """
 
@@ -46,7 +46,7 @@ SEGMENT_ACTIONS = (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP)  # t
 CAPTURE_CUDA = "cuda-memory-history"
 CAPTURE_CPU_SIMULATED = "cpu-trace-simulated"
 CAPTURE_FAKE_CUDA_SIMULATED = "fake-cuda-simulated"  # fake CUDA tensors recorded at the dispatcher (fakecuda/)
-# a user's CUDA script on the simulated CUDA device (fakecuda/csrc/sim_cuda.cpp, memory/sim_cuda.py)
+# a user's CUDA script on the simulated CUDA device (simcuda/csrc/sim_cuda.cpp, simcuda/library.py)
 CAPTURE_SIM_CUDA_SIMULATED = "sim-cuda-simulated"
 SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED)
 CAPTURE_SYNTHETIC = "synthetic"

@@ -31,7 +31,7 @@ from .allocator import (
     DEFAULT_POOL, EMPTY_CACHE_ALL_FREEABLE_POOLS, NESTED_POOLS_INNERMOST, USE_ON_OOM_BEFORE_RELEASE, AllocatorConfig,
     AllocatorConfigError, allowed_memory_maximum, kRoundUpPowerOfTwoIntervals,
 )
-from .cbuild import build_library
+from ..cbuild import build_library
 from .columns import ACTIONS, CODE, OTHER, TraceColumns, columns_from_trace
 from .driver_va import ABOVE_LAST
 from .events import OOM, SegmentState

@@ -3,7 +3,7 @@
 
 A Trace comes from a ``torch.cuda.memory._dump_snapshot()`` pickle (a real GPU run; see
 :func:`trace_from_snapshot`, or :func:`columns_from_snapshot` for the columns the compiled replay core
-reads) or from the CPU capture of ``capture.py`` (a simulated run), and it can be written back as a
+reads) or from the CPU capture of ``record/recorder.py`` (a simulated run), and it can be written back as a
 snapshot pickle that ``torch.cuda._memory_viz`` and pytorch.org/memory_viz read (:func:`write_snapshot`).
 
 Snapshot format followed: ``torch/cuda/memory.py`` (``_snapshot``), ``torch/cuda/_memory_viz.py`` and

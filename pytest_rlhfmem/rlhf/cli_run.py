@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ..memory.host import format_rss
+from ..record.host import format_rss
 from ..units import format_size
 from .scenario import ALGORITHMS, DEVICES, FLUSH_POLICIES, FRAMEWORKS
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ..memory.capture import Recorder
+from ..record.recorder import Recorder
 from .models import ModelPair
 from .scenario import Scenario
 

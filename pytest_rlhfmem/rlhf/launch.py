@@ -31,8 +31,8 @@ from pathlib import Path
 
 from ..hardware import cuda_device_count
 from ..hostcpu import fp16_answer
-from ..memory.capture import history_settings
-from ..memory.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
+from ..record.recorder import history_settings
+from ..record.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
@@ -116,7 +116,7 @@ def jit_ops(scenario: Scenario, device: str) -> list[str]:
     return ops
 
 
-RECORDER_OP = "the CPU allocation recorder"  # memory/cpu_recorder.py, JIT-built with the ops on CPU
+RECORDER_OP = "the CPU allocation recorder"  # record/cpu_recorder.py, JIT-built with the ops on CPU
 _BUILDING = "rlhfmem: building "  # the build script's line before each op: says which one failed
 
 
@@ -149,7 +149,7 @@ def prebuild_ops(device: str, ops: list[str], timeout: float = 1800.0) -> float:
                  "    ob is not None and ob.is_compatible() and ob.load(verbose=False)\n")
     if device == "cpu":
         code += (f"print({_BUILDING + RECORDER_OP!r}, file=sys.stderr, flush=True)\n"
-                 "from pytest_rlhfmem.memory.cpu_recorder import load_recorder\nload_recorder()\n")
+                 "from pytest_rlhfmem.record.cpu_recorder import load_recorder\nload_recorder()\n")
     from filelock import Timeout
 
     lock, t_wait = cache / "ds-ops.lock", time.perf_counter()
@@ -216,7 +216,7 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why.
     Raises :class:`ScenarioError` before launching for a scenario this device cannot run.
     ``capture=False`` runs the bare iteration (timed, nothing recorded): the capture-overhead baseline.
-    ``cuda_emulation`` (``on``/``off``): the CPU capture's CUDA emulation (``memory/emulation.py``).
+    ``cuda_emulation`` (``on``/``off``): the CPU capture's CUDA emulation (``record/emulation.py``).
     ``nodes``: torchrun's multi-node options (:class:`Nodes`; docs/multi-node.md). With ``nnodes`` > 1 this call
     is one node's agent: ``work_dir`` must be shared by every node; node rank 0 waits for the other agents and
     returns the scenario result, any other node its own agent's outcome (``role: agent``, no figures)."""
@@ -411,7 +411,7 @@ def _note_alive_at_timeout(work: Path) -> None:
 
 
 def rank_phases(work: Path) -> dict[int, str]:
-    """``{rank: phase}`` from the ranks' progress files in ``work`` (``capture.py``: written at each phase
+    """``{rank: phase}`` from the ranks' progress files in ``work`` (``record/rank.py``: written at each phase
     change): where each rank was when the run stopped."""
     phases = {}
     for p in work.glob("progress-rank*.json"):
@@ -487,7 +487,7 @@ def _kill_leftover_workers(work: Path) -> None:
             pass
 
 
-# the device peaks so far in a rank's progress file (capture.py: RankCapture.progress): measured on CUDA, simulated
+# the device peaks so far in a rank's progress file (record/rank.py: RankCapture.progress): measured on CUDA, simulated
 # ("simulated": true) on CPU and cuda-sim
 PROGRESS_PEAKS = ("peak_reserved", "peak_allocated")
 

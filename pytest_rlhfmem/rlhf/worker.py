@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..capture import RankCapture
+    from ..record.rank import RankCapture
     from ..hostcpu import answer_deepspeed_dtype_checks, force_fp16_answer
     from .scenario import Scenario
 

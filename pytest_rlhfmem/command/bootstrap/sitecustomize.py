@@ -52,7 +52,7 @@ class _StartOnTorchImport(importlib.abc.MetaPathFinder):
             library = os.environ.get("RLHFMEM_SIM_CUDA_LIBRARY")
             if os.environ.get("RLHFMEM_CAPTURE_DEVICE") == "cuda-sim" and library:
                 # the simulated CUDA device registers its hooks, kernels and allocator before torch starts
-                from pytest_rlhfmem.memory.sim_cuda import load_before_torch
+                from pytest_rlhfmem.simcuda.library import load_before_torch
 
                 load_before_torch(library)
             exec_module(module)

@@ -15,7 +15,7 @@ shared with the DeepSpeed-Chat recipe; the two recipes import nothing from each 
 
 from __future__ import annotations
 
-from ...memory.capture import Recorder
+from ...record.recorder import Recorder
 from ..scenario import Scenario
 from .builders import CPU_STRATEGIES, STRATEGY_PLUGINS, check_device
 from .critic_free_iteration import run_critic_free_iteration

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ...memory.capture import Recorder
+from ...record.recorder import Recorder
 from ..scenario import Scenario
 from .builders import create_critic_model
 from .configs import STRATEGY_SETTINGS

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...memory.capture import Recorder
+from ...record.recorder import Recorder
 from ...placement import deepspeed_offloaded_tensors
 from ..common import convert_to_lora
 from ..models import ModelPair, ModelSpec, build_base_model, build_causal_lm, output_width

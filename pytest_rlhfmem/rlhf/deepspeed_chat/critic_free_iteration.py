@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...memory.capture import Recorder
+from ...record.recorder import Recorder
 from .. import critic_free, ppo
 from ..common import FaultHooks, maybe_flush, random_prompts
 from ..scenario import DEFAULT_GROUP_SIZE, Scenario

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...memory.capture import Recorder
+from ...record.recorder import Recorder
 from .. import ppo
 from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
 from ..models import get_pair

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity's staging buffers, counted from the recipe side for the host meter (``memory/host.py``).
+"""ZeRO-Infinity's staging buffers, counted from the recipe side for the host meter (``record/host.py``).
 
 DeepSpeed (``runtime/swap_tensor/``, 0.16-0.19) stages every NVMe read and write in page-locked host buffers
 (``new_cpu_locked_tensor``: ``posix_memalign`` + ``mlock``) owned by two kinds of swapper:
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 
-from ...memory.host import register_staging_probe
+from ...record.host import register_staging_probe
 
 _SWAPPERS: weakref.WeakSet = weakref.WeakSet()
 

@@ -12,7 +12,7 @@ Every call is a no-op when no capture is active in this process (the script runs
 others return at once. Nothing here imports torch, and the recorder is not even imported until a capture
 starts, so the marks can stay in production code (``benchmarks/api_overhead.py`` measures the cost).
 
-Under a capture, the handle is the rank's :class:`~pytest_rlhfmem.memory.capture.Recorder`; the recipes
+Under a capture, the handle is the rank's :class:`~pytest_rlhfmem.record.recorder.Recorder`; the recipes
 receive the same object as ``rec`` (one capture path).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .memory.capture import Recorder
+    from .recorder import Recorder
 
 _active: Recorder | None = None  # the capturing recorder of this process, set by command/rank.py
 
@@ -127,7 +127,7 @@ def deepspeed_offload(engine: Any, offload: bool | None = None) -> None:
     rec = _active
     if rec is None or rec.device == "cuda":
         return
-    from .placement import deepspeed_offloaded_tensors
+    from ..placement import deepspeed_offloaded_tensors
 
     rec.host_resident(deepspeed_offloaded_tensors(engine, offload))
 

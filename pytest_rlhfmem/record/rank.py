@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .memory.host import current_rss
+from .host import current_rss
 
 # An allocation failure's message: CUDA's (torch.OutOfMemoryError), PyTorch's CPU allocator's
 # (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory", "not enough memory").
@@ -52,8 +52,8 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
                 error: dict | None, threads: int, wall_s: float) -> dict:
     """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
     memory_stats) and assemble this rank's result."""
-    from .memory.replay import ANCHORED, FREE_RUNNING, replay
-    from .memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
+    from ..memory.replay import ANCHORED, FREE_RUNNING, replay
+    from ..memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
 
     is_cuda = trace.capture == CAPTURE_CUDA
     result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
@@ -123,7 +123,7 @@ class RankCapture:
     root: str | None = None
     snapshot_dir: str | None = None
     threads: int | None = None
-    cuda_emulation: str = "on"  # CPU capture: memory/emulation.py's CUDA adjustments, "on" | "off"
+    cuda_emulation: str = "on"  # CPU capture: record/emulation.py's CUDA adjustments, "on" | "off"
     # what else shaped the capture, merged into the result's capture_description (e.g. the recipe's
     # answer to DeepSpeed's dtype checks, hostcpu.py); the same on every host, so budgets compare
     description: dict = field(default_factory=dict)
@@ -147,7 +147,7 @@ class RankCapture:
           recorder never resets);
         - CPU and ``cuda-sim`` (recording): ``peak_reserved`` / ``peak_allocated`` (bytes, simulated, with
           ``"simulated": true``) of the trace recorded so far replayed through the allocator model, advanced by
-          the rows since the last phase change (:meth:`~.memory.capture.Recorder.figures_so_far`), and
+          the rows since the last phase change (:meth:`~.recorder.Recorder.figures_so_far`), and
           ``device_rows``, the recorder rows they cover. An error there leaves the figures out (the progress
           file is written regardless), naming it in ``device_figures_error``."""
         prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
@@ -175,18 +175,18 @@ class RankCapture:
         """Start recording and make the recorder the public API's active handle; returns it (the
         recipes' ``rec``). On CPU the allocation recorder wraps PyTorch's CPU allocator from here on."""
         from . import api
-        from .memory.capture import Recorder
-        from .memory.emulation import parse_switch
-        from .memory.host import HostMemory
+        from .recorder import Recorder
+        from .emulation import parse_switch
+        from .host import HostMemory
 
         row_source = None
         if self.device == "cuda-sim" and self.capture:  # the simulated CUDA device's own log
-            from .memory.sim_cuda import SimCudaRows
+            from ..simcuda.library import SimCudaRows
 
             row_source = SimCudaRows(parse_switch("on").workspace_bytes)
         self.rec = Recorder(self.device if self.capture else "off", on_phase=self.progress, root=self.root,
                             cuda_emulation=parse_switch(self.cuda_emulation), row_source=row_source)
-        self.rec.host = HostMemory(self.device, root=self.root)  # measured host figures per window (memory/host.py)
+        self.rec.host = HostMemory(self.device, root=self.root)  # measured host figures per window (record/host.py)
         self._t0 = time.perf_counter()
         self.rec.host.start()
         self.rec.start()
@@ -197,7 +197,7 @@ class RankCapture:
 
     def error_from(self, exc: BaseException, tb: str | None = None) -> dict:
         """A structured error: phase (innermost open one), type (``OOM`` for out-of-memory), message."""
-        from .hostcpu import dtype_failure
+        from ..hostcpu import dtype_failure
 
         is_oom = "OutOfMemoryError" in type(exc).__name__ or any(s in str(exc).lower() for s in OOM_MESSAGES)
         no_kernel = dtype_failure(str(exc), None)
@@ -211,7 +211,7 @@ class RankCapture:
         (and its memory_viz snapshot with ``snapshot_dir``); returns the result dict.
 
         Guarded: an exception while stopping, replaying or writing (a wrapped CUDA memory history:
-        :class:`~.memory.capture.HistoryWrapped`; a trace the model cannot follow; a full disk) still writes
+        :class:`~.recorder.HistoryWrapped`; a trace the model cannot follow; a full disk) still writes
         ``result-rank<R>.json``, a failure in phase ``finish`` with the exception's first line and the figures
         known so far (:func:`finish_failure_result`); an error of the program itself stays the rank's error,
         the finish failure beside it (``finish_error``)."""
@@ -234,7 +234,7 @@ class RankCapture:
             result["exit_phase"] = exit_phase
             result["capture_description"] = {**result["capture_description"], **self.description}
             try:
-                from .memory.host import attach_host
+                from .host import attach_host
 
                 attach_host(result, rec.host)
             except Exception:  # noqa: BLE001 - the host figures are extras here
@@ -243,8 +243,8 @@ class RankCapture:
             return result
 
     def _finish(self, info: dict | None, error: dict | None, wall: float, exit_phase: str, stage: dict) -> dict:
-        from .hostcpu import host_cpu_profile
-        from .memory.host import attach_host
+        from ..hostcpu import host_cpu_profile
+        from .host import attach_host
 
         rec = self.rec
         rec.host.stop()
@@ -268,8 +268,8 @@ class RankCapture:
         result["host_cpu"] = host_cpu_profile(self.threads)  # what of the host could move a figure
         attach_host(result, rec.host)
         if self.capture:  # the program's own trace, for `rlhfmem advise` and the flush cost
-            from .memory.flushes import flush_cost
-            from .memory.trace_io import SUFFIX, save_trace
+            from ..memory.flushes import flush_cost
+            from ..memory.trace_io import SUFFIX, save_trace
 
             result["trace_file"] = str(save_trace(self.out_dir / f"trace-rank{self.rank}{SUFFIX}", trace))
             result["flush_cost"] = flush_cost(trace, measured_flush_s=rec.flush_times)
@@ -329,10 +329,10 @@ def finish_failure_result(identity, rank: int, world_size: int, device: str, rec
                           error: dict, threads: int | None, wall_s: float, exc: BaseException) -> dict:
     """A rank's result when its finish failed: the keys of :func:`rank_result` (``status`` ``failed``) with the
     figures known without a replay. Per phase: wall time and, on CUDA, the allocator's ``memory_stats()``
-    counters. Total: on CUDA, a :class:`~.memory.capture.HistoryWrapped`'s ``memory_stats()`` peaks (bytes,
+    counters. Total: on CUDA, a :class:`~.recorder.HistoryWrapped`'s ``memory_stats()`` peaks (bytes,
     since the process began or the program's last ``reset_peak_memory_stats()``), else ``None``. ``events``:
     the trace's allocations and frees when it was read, else the history entries the exception counted."""
-    from .memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, SIMULATED_CAPTURES
+    from ..memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, SIMULATED_CAPTURES
 
     capture = trace.capture if trace is not None else {"cuda": CAPTURE_CUDA, "cuda-sim": CAPTURE_SIM_CUDA_SIMULATED,
                                                        "off": "none"}.get(rec.device, CAPTURE_CPU_SIMULATED)
@@ -385,8 +385,8 @@ def finish_failure_result(identity, rank: int, world_size: int, device: str, rec
 
 
 def _write_snapshot(trace, snapshot_dir: str, ident: str, rank: int) -> Path:  # noqa: ANN001
-    from .memory.replay import ANCHORED, FREE_RUNNING, replay
-    from .memory.trace import CAPTURE_CUDA, Trace, write_snapshot
+    from ..memory.replay import ANCHORED, FREE_RUNNING, replay
+    from ..memory.trace import CAPTURE_CUDA, Trace, write_snapshot
 
     name = ident.replace("/", "__").replace(" ", "_") + f"__rank{rank}.pickle"
     if trace.capture == CAPTURE_CUDA:  # the real allocator's own snapshot

@@ -20,16 +20,17 @@
 // (CUBLAS_WORKSPACE_CONFIG, compute capability). It is placed before the op's output: with it after, the
 // training recording's warm-ups end one 40 MiB segment short (measured, tests/test_sim_cuda.py).
 //
-// Also registers c10's FakeGuardImpl for CUDA (streams, device index) and CUDA hooks with hasCUDA() true.
+// Also registers c10's FakeGuardImpl for CUDA (streams, device index) and CUDA hooks with hasCUDA() true
+// (cuda_hooks.h, shared with fake_cuda.cpp).
 // Must be loaded (ctypes, RTLD_GLOBAL) BEFORE `import torch`. On a CUDA build of torch the same device runs
-// the same code paths: see "on a CUDA build of torch" below (memory/device_libs.py: load_built).
+// the same code paths: see "on a CUDA build of torch" below (simcuda/build.py: load_built).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/native/transformers/attention.h>
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/FakeGuardImpl.h>
 #include <torch/library.h>
+
+#include "cuda_hooks.h"  // the CUDA hooks and guard, shared with fake_cuda.cpp
 
 #include <algorithm>
 #include <atomic>
@@ -459,29 +460,7 @@ int64_t fused_sdp_choice(const at::Tensor&, const at::Tensor&, const at::Tensor&
   return g_sdp_backend.load();
 }
 
-struct SimCUDAHooks final : public at::CUDAHooksInterface {
-  explicit SimCUDAHooks(at::CUDAHooksArgs) {}
-  void init() const override {}
-  bool isBuilt() const override { return true; }
-  bool hasCUDA() const override { return true; }
-  bool isAvailable() const override { return true; }
-  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
-  c10::DeviceIndex current_device() const override { return 0; }
-  int getNumGPUs() const override { return c10::impl::kFakeGuardImplMaxDevices; }
-  c10::DeviceIndex deviceCount() const override { return c10::impl::kFakeGuardImplMaxDevices; }
-  bool isPinnedPtr(const void*) const override { return false; }
-  c10::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
-  void deviceSynchronize(c10::DeviceIndex) const override {}
-};
-
 }  // namespace
-
-C10_REGISTER_GUARD_IMPL(CUDA, c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>);
-namespace at {
-// Preferred over a CUDA build's own "CUDAHooks" (libtorch_cuda registers it at the default priority; c10's
-// Registry exits the process on a second key of the same priority, and keeps the higher one in either order).
-C10_REGISTER_TYPED_CLASS_WITH_PRIORITY(CUDAHooksRegistry, "CUDAHooks", c10::REGISTRY_PREFERRED, SimCUDAHooks);
-}  // namespace at
 
 TORCH_LIBRARY_IMPL(_, CUDA, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&cuda_via_meta>()); }
 
@@ -497,7 +476,7 @@ TORCH_LIBRARY_IMPL(aten, CUDA, m) {
 // CompositeExplicitAutograd, CompositeImplicitAutograd) where it has one: the dispatch table's precedence
 // (aten/src/ATen/core/dispatch/OperatorEntry.cpp: computeDispatchTableEntryWithDebug). A CUDA build's
 // libtorch_cuda registers real CUDA kernels for ~1,300 ops, which win over a fallback, its CUDA guard, its
-// DispatchStub pointers and its CUDA hooks. memory/device_libs.py loads this library, then calls
+// DispatchStub pointers and its CUDA hooks. simcuda/build.py loads this library, then calls
 // rlhfmem_sim_cuda_note_cpu_kernels(), then loads libtorch_cuda, then calls rlhfmem_sim_cuda_take_over(): every
 // op that got a direct CUDA kernel since the note gets the table entry a CPU build computes for CUDA again, as
 // a direct CUDA kernel of this library (a later registration wins: OperatorEntry::registerKernel): its
@@ -564,8 +543,7 @@ int64_t rlhfmem_sim_cuda_note_cpu_kernels() {
 int64_t rlhfmem_sim_cuda_take_over() {
   if (!g_noted) return -1;
   using c10::DispatchKey;
-  static c10::impl::DeviceGuardImplRegistrar guard(c10::DeviceType::CUDA,
-                                                   new c10::impl::FakeGuardImpl<c10::DeviceType::CUDA>());
+  rlhfmem::register_fake_cuda_guard_again();
   c10::SetAllocator(c10::DeviceType::CUDA, &g_allocator, /*priority=*/100);
   at::native::_fused_sdp_choice_stub.set_cuda_dispatch_ptr(&fused_sdp_choice);
   std::unordered_map<std::string, torch::Library*> cuda_libs, autograd_libs;
@@ -610,7 +588,7 @@ void rlhfmem_sim_cuda_set_workspace_bytes(int64_t n) { g_workspace_bytes = n; }
 void rlhfmem_sim_cuda_set_stream(int64_t s) { t_stream = s; }
 void rlhfmem_sim_cuda_set_sdp_backend(int64_t b) { g_sdp_backend = b; }
 int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
-// Python's stand-ins log what changes when a freed block returns to the pool (memory/sim_cuda.py:
+// Python's stand-ins log what changes when a freed block returns to the pool (simcuda/library.py:
 // delay_record_stream_frees): 3 = Tensor.record_stream(storage at addr, stream), 4 = the host waits for
 // stream (-1: every stream: synchronize, empty_cache).
 void rlhfmem_sim_cuda_log(int64_t action, uint64_t addr, int64_t stream) { log_event(action, addr, 0, stream); }

@@ -1,6 +1,6 @@
 """``torch.cuda`` for a user's script on the simulated CUDA device (``rlhfmem capture --device cuda-sim``).
 
-The device itself is C++ (``fakecuda/csrc/sim_cuda.cpp``: tensors, kernels, allocator). A CPU-only torch's
+The device itself is C++ (``simcuda/csrc/sim_cuda.cpp``: tensors, kernels, allocator). A CPU-only torch's
 ``torch.cuda`` Python functions still ask a CUDA runtime that is not there; :func:`install` answers them,
 once torch is imported and before the user's code runs:
 
@@ -18,10 +18,12 @@ once torch is imported and before the user's code runs:
 
 from __future__ import annotations
 
-import contextlib
-import itertools
+import sys
 import types
+from collections.abc import Callable
 from typing import Any
+
+from .streams import DEFAULT_STREAM, Event, Stream, current_stream_of, device_stream
 
 TOTAL_MEMORY = 24 * 2**30  # an RTX 3090's (sm_86): the GPU of the study and of shared/snapshots
 DEVICE_NAME = "rlhfmem simulated CUDA device (RTX 3090 geometry)"
@@ -141,77 +143,36 @@ class History:
             pickle.dump(snap, f)
 
 
-class Stream:
-    """A CUDA stream: an id the device tags allocations with while it is current."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        self.stream_id = next(Stream._ids)
-        self.device = _device()
-        self.priority = priority
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Event:
-        return event if event is not None else Event()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class Event:
-    """A CUDA event: records and waits do nothing; ``elapsed_time`` is 0.0 ms (no GPU time exists)."""
-
-    def __init__(self, *_: Any, **__: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
 class ScalarSites:
-    """Where the script asked a device tensor for a value (``.item()``, ``bool()``, ``int()``, ``float()``,
-    ``.tolist()``): ``"file:line call"`` of the caller -> ``{"call", "dtype", "answer", "count"}``. The simulated device
+    """Where a program asked a device tensor for a value (``.item()``, ``bool()``, ``int()``, ``float()``,
+    ``.tolist()``): a call site -> ``{<op_key>: the call, "dtype", "answer", "count"}``. The simulated device
     has no values; the C++ answers by dtype (false, 1.0, 2**62; 0 for int8/uint8) and counts by dtype, this
-    names the lines, so a reader sees which branch of the script took a fixed answer."""
+    names the lines, so a reader sees which branch of the program took a fixed answer.
 
-    def __init__(self) -> None:
+    ``site(call)`` names the caller (default: ``"file:line call"`` of the frame that called); ``op_key`` names
+    the call's field (``"call"``; the fake-CUDA route's results say ``"op"``); ``on_read(tensor)`` runs at each
+    read (the fake-CUDA route: the host waits for the current stream)."""
+
+    def __init__(self, site: Callable[[str], str] | None = None, op_key: str = "call",
+                 on_read: Callable[[Any], None] | None = None) -> None:
         self.sites: dict[str, dict] = {}
+        self._site = site or _calling_line
+        self._op_key = op_key
+        self._on_read = on_read
 
     def install(self, torch: Any) -> None:
-        import sys
-
+        """Wrap ``torch.Tensor``'s value reads to count their call sites on device tensors."""
         for name in ("item", "__bool__", "__int__", "__float__", "tolist"):
             original = getattr(torch.Tensor, name)
 
             def wrapper(t: Any, *a: Any, _original: Any = original, _name: str = name, **k: Any) -> Any:
                 value = _original(t, *a, **k)
                 if getattr(t, "is_cuda", False):
-                    f = sys._getframe(1)
-                    site = f"{f.f_code.co_filename}:{f.f_lineno} {_name}"
-                    entry = self.sites.setdefault(site, {"call": _name, "dtype": str(t.dtype).replace("torch.", ""),
-                                                         "answer": value if _name != "tolist" else "list",
-                                                         "count": 0})
+                    if self._on_read is not None:
+                        self._on_read(t)
+                    entry = self.sites.setdefault(self._site(_name), {
+                        self._op_key: _name, "dtype": str(t.dtype).replace("torch.", ""),
+                        "answer": value if _name != "tolist" else "list", "count": 0})
                     entry["count"] += 1
                 return value
 
@@ -219,10 +180,16 @@ class ScalarSites:
             setattr(torch.Tensor, name, wrapper)
 
 
-def _device() -> Any:
-    import torch
+def _calling_line(call: str) -> str:
+    f = sys._getframe(2)  # _calling_line <- ScalarSites wrapper <- the program's line
+    return f"{f.f_code.co_filename}:{f.f_lineno} {call}"
 
-    return torch.device("cuda", 0)
+
+def device_properties() -> Any:
+    """``torch.cuda.get_device_properties()`` of the simulated device: an RTX 3090's geometry (24 GiB, sm_86,
+    82 SMs)."""
+    return types.SimpleNamespace(name=DEVICE_NAME, total_memory=TOTAL_MEMORY, major=8, minor=6,
+                                 multi_processor_count=82, is_integrated=False, is_multi_gpu_board=False)
 
 
 SCALAR_SITES = ScalarSites()
@@ -230,43 +197,25 @@ SCALAR_SITES = ScalarSites()
 
 def install(get_rec: Any) -> list[str]:
     """Answer ``torch.cuda``'s Python functions for the simulated device; ``get_rec()`` returns the rank's
-    :class:`~pytest_rlhfmem.memory.capture.Recorder` (its ``row_source`` the device's log) once recording
+    :class:`~pytest_rlhfmem.record.recorder.Recorder` (its ``row_source`` the device's log) once recording
     runs. Call before the recorder intercepts ``empty_cache`` (a no-op here; the recorder marks the flush).
     Returns the names replaced (recorded in the result)."""
     import torch
 
-    from ..memory.sim_cuda import ENV_RECORD_STREAM, drop_python_gpu_kernels, library, record_stream_mode
+    from .library import ENV_RECORD_STREAM, drop_python_gpu_kernels, library, record_stream_mode
 
     if record_stream_mode() != "immediate":  # its stand-ins log no host waits: delays would never end
         raise ValueError(f"${ENV_RECORD_STREAM}={record_stream_mode()}: modelled on the fake-CUDA route only "
                          "(benchmarks/study_scale.py --record-stream); a command's capture supports: immediate")
     lib = library()
     live, history = LiveAllocator(get_rec), History(get_rec)
-    default = Stream()
-    default.stream_id = 0
-    current = {"stream": default}
-
-    @contextlib.contextmanager
-    def stream(s: Any):
-        if s is None:
-            yield
-            return
-        old = current["stream"]
-        current["stream"] = s
-        lib.rlhfmem_sim_cuda_set_stream(s.stream_id)
-        try:
-            yield
-        finally:
-            current["stream"] = old
-            lib.rlhfmem_sim_cuda_set_stream(old.stream_id)
 
     def stat(key: str):
         def f(device: Any = None) -> int:
             return live.memory_stats()[key]
         return f
 
-    props = types.SimpleNamespace(name=DEVICE_NAME, total_memory=TOTAL_MEMORY, major=8, minor=6,
-                                  multi_processor_count=82, is_integrated=False, is_multi_gpu_board=False)
+    props = device_properties()
 
     def noop_fn() -> Any:  # a distinct function per name: torch._dynamo refuses one object under two names
         def noop(*_: Any, **__: Any) -> None:
@@ -280,8 +229,10 @@ def install(get_rec: Any) -> list[str]:
         "device_count": lambda: 1, "current_device": lambda: 0, "set_device": noop_fn(),
         "get_device_name": lambda device=None: DEVICE_NAME, "get_device_properties": lambda device=None: props,
         "get_device_capability": lambda device=None: (8, 6), "is_bf16_supported": lambda *a, **k: True,
-        "synchronize": noop_fn(), "Stream": Stream, "Event": Event, "stream": stream,
-        "current_stream": lambda device=None: current["stream"], "default_stream": lambda device=None: default,
+        "synchronize": noop_fn(), "Stream": Stream, "Event": Event,
+        "stream": lambda s: device_stream(lib, s),
+        "current_stream": lambda device=None: current_stream_of(lib.rlhfmem_sim_cuda_stream()),
+        "default_stream": lambda device=None: DEFAULT_STREAM,
         "manual_seed": noop_fn(), "manual_seed_all": noop_fn(), "seed": noop_fn(), "seed_all": noop_fn(),
         "memory_allocated": stat("allocated_bytes.all.current"),
         "max_memory_allocated": stat("allocated_bytes.all.peak"),

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Iterator
 
 from . import emulation
-from .allocator import SEGMENT_PLACEMENT_KEY, AllocatorConfig
-from .driver_va import ABOVE_LAST
-from .events import CUBLAS_WORKSPACE
+from ..memory.allocator import SEGMENT_PLACEMENT_KEY, AllocatorConfig
+from ..memory.driver_va import ABOVE_LAST
+from ..memory.events import CUBLAS_WORKSPACE
 from .host import HostMemory
-from .trace import (
+from ..memory.trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, FREE_REQUESTED, PHASE,
     PHASE_END, POOL_ENTER, POOL_EXIT, Event, Trace, trace_from_snapshot,
 )
@@ -117,7 +117,7 @@ class Recorder:
     backend: str = ""
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, wall time_us, name)
     mark_clock: str = ""  # CUDA: the clock the marks were merged by (mark_times)
-    # CPU only: the CUDA emulation (memory/emulation.py) applied to the capture; None = off.
+    # CPU only: the CUDA emulation (record/emulation.py) applied to the capture; None = off.
     cuda_emulation: emulation.EmulationSettings | None = field(default_factory=emulation.EmulationSettings)
     emulation_report: emulation.EmulationReport | None = None
     keep_raw_rows: bool = False  # keep the recorder rows (``raw_rows``) for re-deriving traces
@@ -128,7 +128,7 @@ class Recorder:
     _empty_cache: Callable[[], None] | None = None  # the original torch.cuda.empty_cache while intercepted
     error_phase: str | None = None  # the innermost phase an exception propagated out of
     host: HostMemory | None = None  # measured host figures (host.py), told of phases and host-resident buffers
-    # "cuda-sim": the simulated CUDA device's log (memory/sim_cuda.py: SimCudaRows), read as recorder rows
+    # "cuda-sim": the simulated CUDA device's log (simcuda/library.py: SimCudaRows), read as recorder rows
     row_source: object = None
     flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
     _so_far: SoFar | None = None  # CPU, cuda-sim: the figures so far, advanced at each progress file
@@ -439,7 +439,7 @@ class Recorder:
         if self.device not in ("cpu", "cuda-sim") or self._ext is None:
             return None
         if self._so_far is None:
-            from .allocator import AllocatorConfig
+            from ..memory.allocator import AllocatorConfig
 
             settings = None
             placement = getattr(self.row_source, "segment_placement", None)
@@ -581,7 +581,7 @@ class SoFar:
 
     def __init__(self, marks: list, config: AllocatorConfig, cuda_emulation: emulation.EmulationSettings | None,
                  workspaces: Callable[[], frozenset[int]] | None = None) -> None:
-        from .allocator import CachingAllocatorModel
+        from ..memory.allocator import CachingAllocatorModel
 
         self.emulator = emulation.Emulator(marks, cuda_emulation) if cuda_emulation is not None else None
         self.stream = EventStream(marks)
@@ -608,7 +608,7 @@ class SoFar:
         self._replay(self.stream.take(), names)
 
     def _replay(self, events: list[Event], workspaces: frozenset[int]) -> None:
-        from .allocator import OutOfMemoryError
+        from ..memory.allocator import OutOfMemoryError
 
         model, live = self.model, self._live
         for ev in events:

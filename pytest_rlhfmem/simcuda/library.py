@@ -1,6 +1,6 @@
 """The simulated CUDA device's side in Python: its allocation log, read as recorder rows.
 
-``fakecuda/csrc/sim_cuda.cpp`` (built and loaded before ``import torch`` by :mod:`.device_libs`) makes
+``simcuda/csrc/sim_cuda.cpp`` (built and loaded before ``import torch`` by :mod:`.device_libs`) makes
 ``device="cuda"`` work on a CPU-only torch build: real ATen tensors with the CUDA dispatch keys, storages
 with a size and no memory, outputs computed by the ops' meta kernels. Its allocator logs every allocation
 and free (bytes, the stream set from Python, microseconds of ``steady_clock``); :class:`SimCudaRows` reads
@@ -18,7 +18,7 @@ import ctypes
 import os
 import time
 
-from .driver_va import ABOVE_LAST, SegmentPlacement
+from ..memory.driver_va import ABOVE_LAST, SegmentPlacement
 
 ENV_LIBRARY = "RLHFMEM_SIM_CUDA_LIBRARY"  # the built library's path, set by the launcher for every rank
 ENV_SDPA = "RLHFMEM_SIM_CUDA_SDPA"  # scaled_dot_product_attention's backend on the device (SDPA_BACKENDS)
@@ -64,6 +64,7 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_scalar_answers.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_set_workspace_bytes.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_set_stream.argtypes = [ctypes.c_int64]
+    lib.rlhfmem_sim_cuda_stream.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_set_sdp_backend.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_log.argtypes = [ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64]
     return lib
@@ -82,7 +83,7 @@ def sdpa_backend(name: str | None = None) -> str:
 def load_before_torch(path: str) -> None:
     """Load the built library at ``path`` (and torch's libc10/libtorch_cpu it links) into this process,
     before torch is imported; sets ``$RLHFMEM_SIM_CUDA_LIBRARY`` for :func:`library`."""
-    from .device_libs import load_built
+    from .build import load_built
 
     load_built(path)
     os.environ[ENV_LIBRARY] = path
@@ -93,7 +94,7 @@ def drop_python_gpu_kernels() -> list[str]:
     from Python for its GPU code generators (``torch/_native/registry.py``: the DSLs of
     ``torch._native.dsl_registry``, triton, cutedsl, helion: e.g. ``aten::bmm``'s triton outer product), so those
     ops reach the simulated device as on a CPU build (the device's library takes over the C++ CUDA kernels when it
-    is loaded: ``memory/device_libs.py: load_built``). Returns the DSLs whose overrides were removed (``[]`` on a
+    is loaded: ``simcuda/build.py: load_built``). Returns the DSLs whose overrides were removed (``[]`` on a
     CPU build, where nothing changes, and on a torch without ``torch._native``)."""
     import torch
 

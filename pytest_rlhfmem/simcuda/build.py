@@ -1,70 +1,40 @@
-"""Build and load the CUDA device libraries of a CPU-only torch build (``fakecuda/csrc/``).
+"""Build and load the CUDA device libraries of a CPU-only torch build (``simcuda/csrc/``).
 
 - ``fake_cuda.cpp`` (:data:`SOURCE`): CUDA device guard + hooks, for the recipes' fake-CUDA route
   (``FakeTensorMode`` on top);
 - ``sim_cuda.cpp`` (:data:`SIM_SOURCE`): the same plus a simulated CUDA device (allocator that logs, meta
-  kernels), for ``rlhfmem capture --device cuda-sim`` (``memory/sim_cuda.py``).
+  kernels), for ``rlhfmem capture --device cuda-sim`` (``simcuda/library.py``).
 
 On a CUDA build of torch (``lib/libtorch_cuda.so``, no GPU needed) :func:`load_built` loads libtorch_cuda itself,
 between the library and its take-over of libtorch_cuda's CUDA registrations, so the device runs as on a CPU build.
 
 Never imports torch: a library must be loaded before ``import torch`` (torch creates its CUDA hooks
-object once, during import). The build takes a few seconds with plain g++ against the installed torch's
-headers and is cached under ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default ``~/.cache``), keyed by the
-source and the torch installation.
+object once, during import). The build (``cbuild.py: build_library``, the project's one) takes a few seconds
+with g++ against the installed torch's headers and is cached, keyed by the sources and the torch installation.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parents[1] / "fakecuda" / "csrc"
+from ..cbuild import build_library, torch_dir
+
+CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "fake_cuda.cpp"  # the recipes' route: FakeTensorMode on top
 SIM_SOURCE = CSRC / "sim_cuda.cpp"  # a user's script: the simulated device
+DEVICE_CXXFLAGS = ("-O1", "-shared", "-fPIC", "-std=c++20", "-w")  # torch's headers: C++20, their warnings off
 
 
 class FakeCudaUnavailable(RuntimeError):
     """The fake-CUDA library cannot be built or loaded here; the message says why."""
 
 
-def _torch_dir() -> Path:
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        raise FakeCudaUnavailable("torch is not installed")
-    return Path(spec.origin).parent
-
-
 def library_path(source: Path = SOURCE) -> Path:
-    """Build ``source`` if no cached build matches; return the library's path. Raises
-    :class:`FakeCudaUnavailable`."""
-    torch_dir = _torch_dir()
-    version_file = torch_dir / "version.py"
-    key = hashlib.sha256(source.read_bytes() + str(torch_dir).encode()
-                         + (version_file.read_bytes() if version_file.exists() else b"")).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
-    out = cache / f"{source.stem}_{key}.so"
-    if out.exists():
-        return out
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = ["g++", "-O1", "-shared", "-fPIC", "-std=c++20", "-w",
-           f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include/torch/csrc/api/include'}",
-           str(source), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
-           "-o", str(tmp)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise FakeCudaUnavailable(f"cannot run g++: {exc}") from None
-    if proc.returncode != 0:
-        raise FakeCudaUnavailable(f"g++ failed building {source.name}: {proc.stderr.strip()[-2000:]}")
-    tmp.replace(out)  # atomic: concurrent builders each write their own tmp
-    return out
+    """Build ``source`` (and the ``cuda_hooks.h`` beside it) against the installed torch if no cached build
+    matches (``cbuild.py: build_library``); return the library's path. Raises :class:`FakeCudaUnavailable`."""
+    return build_library(source, FakeCudaUnavailable, DEVICE_CXXFLAGS, torch=True)
 
 
 def load(source: Path = SOURCE) -> Path:
@@ -84,7 +54,7 @@ CUDA_BUILD_LIBRARY = "libtorch_cuda.so"  # present in a CUDA build of torch only
 
 def cuda_build() -> bool:
     """Whether the installed torch is a CUDA build (its ``lib/`` holds ``libtorch_cuda.so``). Never imports torch."""
-    return (_torch_dir() / "lib" / CUDA_BUILD_LIBRARY).exists()
+    return (torch_dir(FakeCudaUnavailable) / "lib" / CUDA_BUILD_LIBRARY).exists()
 
 
 def load_built(path: Path | str, cuda_libraries: list[Path] | None = None) -> dict[str, int]:
@@ -98,7 +68,7 @@ def load_built(path: Path | str, cuda_libraries: list[Path] | None = None) -> di
     :class:`FakeCudaUnavailable` when a CUDA build's library cannot be loaded (``OSError``'s message).
     ``cuda_libraries``: the CUDA build's libraries to load in libtorch_cuda's place (default: the installed torch's
     ``libtorch_cuda.so`` where it exists, none on a CPU build)."""
-    torch_lib = _torch_dir() / "lib"
+    torch_lib = torch_dir(FakeCudaUnavailable) / "lib"
     for dep in ("libc10.so", "libtorch_cpu.so"):  # resolve the library's symbols from torch's own copies
         ctypes.CDLL(str(torch_lib / dep), mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

@@ -1,0 +1,99 @@
+"""The one build function for every C++ library of the project, each built once and cached.
+
+- ``memory/csrc/replay_core.cpp``, ``memory/csrc/snapshot_reader.cpp``: self-contained (no torch);
+- ``simcuda/csrc/fake_cuda.cpp``, ``simcuda/csrc/sim_cuda.cpp``: the device libraries, linked against the
+  installed torch's ``libc10``/``libtorch_cpu`` (``torch=True``; never imports torch);
+- ``record/csrc/cpu_alloc_recorder.cpp``: a Python extension module of torch (``python_module=True``;
+  the caller passes torch's ABI flags: ``record/cpu_recorder.py``).
+
+The cache key is the source (and the ``.h`` files beside it), the flags, the compiler binary (path, size,
+mtime) and, for a library linked against torch, the torch installation (its directory and ``version.py``), so
+a new compiler, torch or source builds again. The library lands in ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default
+``~/.cache``) as ``<stem>_<key>.so``; concurrent builders wait on one file lock per source, and the library
+appears atomically (written beside, then renamed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+from filelock import FileLock
+
+CXXFLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
+BUILD_TIMEOUT_S = 600  # a Python extension of torch (torch/extension.h) takes ~1 min on one slow core
+
+
+def cache_dir() -> Path:
+    """Where built libraries are cached: ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default ``~/.cache/...``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
+
+
+def torch_dir(unavailable: type[Exception]) -> Path:
+    """The installed torch's package directory, found without importing torch. Raises ``unavailable``."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise unavailable("torch is not installed")
+    return Path(spec.origin).parent
+
+
+def build_library(source: Path, unavailable: type[Exception], flags: Sequence[str] = CXXFLAGS, *,
+                  torch: bool = False, python_module: bool = False) -> Path:
+    """Build ``source`` with ``$CXX`` (default ``g++``) if no cached build matches; return the library's path
+    (``<cache>/<stem>_<key>.so``).
+
+    ``torch``: compile against the installed torch's headers and link ``libc10``/``libtorch_cpu`` (rpath to
+    torch's ``lib/``). ``python_module``: also Python's headers, ``libtorch``/``libtorch_python``, and
+    ``-DTORCH_EXTENSION_NAME=<stem>_<key>`` so that the file imports as a module of its own name (implies
+    ``torch``). Raises ``unavailable`` (one line) without a compiler or torch, or when the build fails (the
+    compiler's last 2,000 characters)."""
+    cxx = shutil.which(os.environ.get("CXX") or "g++")
+    if cxx is None:
+        raise unavailable(f"no C++ compiler ({os.environ.get('CXX') or 'g++'} not on PATH)")
+    real = os.path.realpath(cxx)
+    st = os.stat(real)
+    cmd_flags = list(flags)
+    key_material = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    if torch or python_module:
+        tdir = torch_dir(unavailable)
+        version = tdir / "version.py"
+        key_material += str(tdir).encode() + (version.read_bytes() if version.exists() else b"")
+        cmd_flags += [f"-I{tdir / 'include'}", f"-I{tdir / 'include/torch/csrc/api/include'}"]
+        libs = ["-lc10", "-ltorch_cpu"]
+        if python_module:
+            cmd_flags += [f"-I{sysconfig.get_path('include')}", "-DTORCH_API_INCLUDE_EXTENSION_H"]
+            libs += ["-ltorch", "-ltorch_python"]
+        link = [f"-L{tdir / 'lib'}", *libs, f"-Wl,-rpath,{tdir / 'lib'}"]
+    else:
+        link = []
+    key = hashlib.sha256(key_material + " ".join(cmd_flags + link).encode() + sys.version.encode() * python_module
+                         + f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = f"{source.stem}_{key}"
+    cache = cache_dir()
+    out = cache / f"{name}.so"
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    if python_module:
+        cmd_flags.append(f"-DTORCH_EXTENSION_NAME={name}")
+    with FileLock(str(cache / f"{source.stem}.lock")):
+        if out.exists():  # another process built it while this one waited
+            return out
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            proc = subprocess.run([cxx, *cmd_flags, str(source), *link, "-o", str(tmp)], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise unavailable(f"cannot run {cxx}: {exc}") from None
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise unavailable(f"{cxx} failed building {source.name}: {proc.stderr.strip()[-2000:]}")
+        tmp.replace(out)
+    return out

@@ -2,9 +2,11 @@
 
     python -m doctables.budget_tables cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
     python -m doctables.budget_tables methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
-    python -m doctables.budget_tables flush-diff     # README: rlhfmem diff, flush after inference vs none
+    python -m doctables.budget_tables flush-diff     # docs/reports.md: rlhfmem diff, flush after inference vs none
     python -m doctables.budget_tables flush-diff-report  # docs/diff-flush-none-vs-after-inference.md
-    python -m doctables.budget_tables mid-matrix     # README: the mid-size pair (methods_cpu_mid.yaml)
+    python -m doctables.budget_tables mid-matrix     # docs/cpu-path.md: the mid-size pair (methods_cpu_mid.yaml)
+    python -m doctables.budget_tables mid-methods    # docs/methods.md: the methods on the mid-size pair
+    python -m doctables.budget_tables tolerances     # README: the default tolerances (pytest_rlhfmem/budgets.py)
 
 Each block a document shows is fenced by ``<!-- generated: python -m doctables.budget_tables NAME -->`` and
 ``<!-- end generated -->``; tests/test_generated_tables.py reruns the command and fails when a block differs
@@ -103,6 +105,38 @@ def mid_matrix() -> list[str]:
     return rows
 
 
+def mid_methods() -> list[str]:
+    """The methods beside PPO's strategies on the mid-size pair (OPT-125m x 4, fp16, 2 ranks, flush none;
+    methods_cpu_mid.yaml), MiB (2**20 B, rounded), each device figure against PPO ``none``; host figures measured.
+    Last line: ZeRO-Offload against ZeRO-2, the paper's own comparison."""
+    e = _entries("methods_cpu_mid.yaml")
+    cells = [("PPO `none`", "none/flush-none"), ("PPO `zero2`", "zero2/flush-none"),
+             ("`zero2-offload` (ZeRO-Offload)", "zero2-offload/flush-none"), ("PPO `zero3`", "zero3/flush-none"),
+             ("PPO `zero3-offload`", "zero3-offload/flush-none"), ("`lora` (LoRA-PPO)", "lora/flush-none"),
+             ("`hydra` (Hydra-PPO)", "hydra/flush-none"), ("`none` + ReMax", "none/remax/flush-none"),
+             ("`none` + GRPO, group of 2", "none/grpo/flush-none")]
+    entry = {label: e[f"deepspeed-chat/opt-125m/{key}/x2" + ("/group_size=2" if "grpo" in key else "")]
+             for label, key in cells}
+    base = entry["PPO `none`"]
+
+    def mib(en: dict, metric: str, rel: bool = False) -> str:
+        v, b = _m(en, metric), _m(base, metric)
+        return f"{round(v / 2**20)}" + (f" ({100.0 * (v - b) / b:+.0f}%)" if rel and en is not base else "")
+
+    rows = ["| scenario | device peak reserved (sim.) | device peak allocated (sim.) | frag. at peak (sim.) | "
+            "peak phase | host anonymous growth (meas.) | host offload buffers (meas.) |",
+            "|---|---|---|---|---|---|---|"]
+    for label, en in entry.items():
+        rows.append(f"| {label} | {mib(en, 'peak_reserved', True)} | {mib(en, 'peak_allocated', True)} | "
+                    f"{mib(en, 'fragmentation_at_peak')} | {en['peak_phase']} | {mib(en, 'host_anon_growth')} | "
+                    f"{mib(en, 'host_pinned_peak')} |")
+    z2, off = entry["PPO `zero2`"], entry["`zero2-offload` (ZeRO-Offload)"]
+    change = 100.0 * (_m(off, "peak_reserved") - _m(z2, "peak_reserved")) / _m(z2, "peak_reserved")
+    rows += ["", f"ZeRO-Offload against ZeRO-2: peak reserved {mib(z2, 'peak_reserved')} -> "
+             f"{mib(off, 'peak_reserved')} MiB ({change:+.0f}%)."]
+    return rows
+
+
 def flush_diff() -> list[str]:
     """``rlhfmem diff``'s verdict and changed rows for the after-inference flush against no flush, every
     strategy of the CPU matrix (deepspeed_chat_cpu.yaml; ``--ignore-flush`` pairing), as the README quotes it."""
@@ -136,8 +170,20 @@ def flush_diff_report() -> list[str]:
     return to_markdown(diff(policy("none"), policy("after-inference"))).rstrip("\n").splitlines()
 
 
+def tolerances() -> list[str]:
+    """The default tolerances (budgets.py ``DEFAULT_TOLERANCES``): a value passes when measured <= budget + max(abs,
+    rel x budget); a budget file's ``defaults.tolerances`` and an entry's ``tolerances`` override them."""
+    from pytest_rlhfmem.budgets import DEFAULT_TOLERANCES
+
+    rows = ["| metric | rel | abs |", "|---|---|---|"]
+    for metric, tol in DEFAULT_TOLERANCES.items():
+        size = not metric.endswith(("_count", "_retries"))
+        rows.append(f"| {metric} | {tol.rel * 100:g}% | {format_size(tol.abs) if size else tol.abs} |")
+    return rows
+
+
 TABLES = {"cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff, "mid-matrix": mid_matrix,
-          "flush-diff-report": flush_diff_report}
+          "mid-methods": mid_methods, "flush-diff-report": flush_diff_report, "tolerances": tolerances}
 
 
 def main(argv: list[str]) -> int:

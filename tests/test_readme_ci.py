@@ -1,22 +1,46 @@
-"""The README's CI recipes work as written: each YAML block parses, every tox environment it runs exists in tox.ini,
-every suite it names exists, and the GPU jobs collect only GPU cells of the DeepSpeed-Chat suites (the old recipe,
+"""The CI recipes work as written. They are files under examples/github-actions/ (the README shows one of them as
+a generated block, so the README cannot drift from the files: tests/test_generated_tables.py): each parses, has the
+jobs it promises, runs only tox environments, plugin options and files that exist, records budgets only through a
+pull request, and its GPU jobs collect only gpu-marked cells of the DeepSpeed-Chat suites (an old recipe,
 ``pytest suites --gpu-marker=require``, collected the opt-in suites and the ColossalChat cells, which fail without
 their own environments)."""
 
 import configparser
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
+from doctables.options import plugin_options
+
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-CI = README[README.index("## CI\n"):README.index("\n## ", README.index("## CI\n") + 1)]
+WORKFLOWS = ROOT / "examples" / "github-actions"
+JOBS = {"own-trainer.yml": {"cpu", "gpu"}, "rerecord-baselines.yml": {"record-cpu", "record-gpu"},
+        "rlhfmem.yml": {"cpu", "gpu-1", "gpu-4"}}
+GPU_JOBS = {("own-trainer.yml", "gpu"), ("rerecord-baselines.yml", "record-gpu"), ("rlhfmem.yml", "gpu-1"),
+            ("rlhfmem.yml", "gpu-4")}
 
 
-def _blocks() -> list:
-    return [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", CI, re.S)]
+def _load(name: str) -> dict:
+    return yaml.safe_load((WORKFLOWS / name).read_text())
+
+
+def _steps():
+    """(workflow, job, step) for every step of every workflow."""
+    for name in JOBS:
+        for job, spec in _load(name)["jobs"].items():
+            for step in spec["steps"]:
+                yield name, job, step
+
+
+def _words(line: str) -> list[str]:
+    """The command's words; an ``${{ a && '--x' || '--y' }}`` expression counts as the options it can expand to."""
+    exprs = re.findall(r"\$\{\{(.*?)\}\}", line)
+    return shlex.split(re.sub(r"\$\{\{.*?\}\}", "", line)) + [w for e in exprs for w in re.findall(r"'(--[^']+)'", e)]
 
 
 def _tox_envs() -> set[str]:
@@ -25,32 +49,72 @@ def _tox_envs() -> set[str]:
     return {s.split(":", 1)[1] for s in cp.sections() if s.startswith("testenv:")} | {"py"}
 
 
-def _run_lines() -> list[str]:
-    out = []
-    for block in _blocks():
-        steps = block if isinstance(block, list) else [s for job in block["jobs"].values() for s in job["steps"]]
-        out += [s["run"] for s in steps if "run" in s]
-    return out
+def test_every_workflow_parses_and_has_its_jobs():
+    assert {p.name for p in WORKFLOWS.glob("*.yml")} == set(JOBS)
+    for name, jobs in JOBS.items():
+        wf = _load(name)
+        assert set(wf["jobs"]) == jobs, name
+        for job, spec in wf["jobs"].items():
+            labels = spec["runs-on"] if isinstance(spec["runs-on"], list) else [spec["runs-on"]]
+            on_gpu = any(lab.startswith("gpu") for lab in labels)
+            assert on_gpu == ((name, job) in GPU_JOBS), f"{name}: job {job} runs on {labels}"
 
 
-def test_every_ci_block_parses_and_has_a_job_per_gpu_count():
-    blocks = _blocks()
-    assert len(blocks) == 2
-    jobs = blocks[1]["jobs"]
-    assert set(jobs) == {"gpu-1", "gpu-4"}
-    assert "workflow_dispatch" in blocks[1][True]  # YAML reads the key `on` as True
+def test_budgets_are_recorded_only_through_a_pull_request():
+    """Every step that runs --rlhfmem-update-baselines is followed, in its job, by a create-pull-request step that adds
+    baselines/; the workflow is started by hand (workflow_dispatch); pull requests only check."""
+    for name in JOBS:
+        wf = _load(name)
+        triggers = wf[True]  # YAML reads the key `on` as True
+        for job, spec in wf["jobs"].items():
+            runs = [i for i, s in enumerate(spec["steps"]) if "--rlhfmem-update-baselines" in s.get("run", "")]
+            if not runs:
+                continue
+            assert "workflow_dispatch" in triggers, f"{name}: records budgets but cannot be started by hand"
+            prs = [s for s in spec["steps"][runs[-1]:]
+                   if s.get("uses", "").startswith("peter-evans/create-pull-request")]
+            assert prs and prs[0]["with"]["add-paths"].startswith("baselines/"), f"{name}: {job} records without a PR"
+    assert "pull_request" not in _load("rerecord-baselines.yml")[True]
 
 
-def test_every_command_names_an_existing_tox_env_and_suite():
+def test_every_option_tox_environment_and_file_named_exists():
+    flags = {o["flag"] for o in plugin_options()}
     envs = _tox_envs()
-    lines = _run_lines()
-    assert any("gpu-suite" in line for line in lines)
-    for line in lines:
-        words = shlex.split(re.sub(r"\$\{\{.*?\}\}", "", line))
+    named = 0
+    for name, job, step in _steps():
+        words = _words(step.get("run", ""))
+        for w in words:
+            if w.startswith(("--rlhfmem", "--gpu-marker")):
+                assert w.split("=", 1)[0] in flags, f"{name}: {job} passes {w}, which the plugin lacks"
+                named += 1
+            if w.endswith(".py") or w.startswith("suites/"):
+                assert (ROOT / w).is_file(), f"{name}: {job} names {w}, which does not exist"
         if "tox" in words and "-e" in words:
             for env in words[words.index("-e") + 1].split(","):
-                assert env in envs, f"README's CI runs tox -e {env}, which tox.ini lacks"
-        for w in words:
-            if w.startswith("suites/"):
-                assert (ROOT / w).is_file(), f"README's CI names {w}, which does not exist"
-                assert "colossal" not in w and w.endswith(("_gpu1.py", "_study.py"))
+                assert env in envs, f"{name}: {job} runs tox -e {env}, which tox.ini lacks"
+    assert named >= 10
+
+
+@pytest.mark.parametrize("job", ["gpu-1", "gpu-4"])
+def test_a_gpu_job_collects_only_gpu_marked_deepspeed_chat_cells(job):
+    (line,) = [s["run"] for n, j, s in _steps() if n == "rlhfmem.yml" and j == job and "gpu-suite" in s.get("run", "")]
+    words = _words(line)
+    args = words[words.index("--") + 1:]
+    suites = [w for w in args if w.startswith("suites/")]
+    assert suites and all("colossal" not in s and s.endswith(("_gpu1.py", "_study.py")) for s in suites)
+    k = ["-k", args[args.index("-k") + 1]] if "-k" in args else []
+
+    def collect(marks: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               *suites, *k, "-m", marks], cwd=ROOT, capture_output=True, text=True)
+
+    assert collect("not gpu").returncode == 5, "the GPU job collects a test that is not gpu-marked"
+    gpu = collect("gpu")
+    assert gpu.returncode == 0 and re.search(r"^(\d+/)?\d+ tests? collected", gpu.stdout, re.M), gpu.stdout[-500:]
+
+
+def test_the_readme_shows_the_own_trainer_workflow_and_links_the_others():
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- generated: python -m doctables.include examples/github-actions/own-trainer.yml -->" in readme
+    for name in ("rerecord-baselines.yml", "rlhfmem.yml"):
+        assert f"(examples/github-actions/{name})" in readme

@@ -37,8 +37,9 @@ STUDY = {
 }
 GIB = 2**30
 # What run_1.3b.sh ran on the study's DeepSpeed beyond the pair's defaults (configs.STUDY_SCRIPT_SETTINGS): the
-# Hybrid Engine's inference kernels injected into OPT, which DeepSpeed 0.19.8 no longer does for transformers 5 and
-# the fake-CUDA route runs as stand-ins (fakecuda/inference_kernels.py). The default of --overrides.
+# Hybrid Engine's inference kernels injected into OPT, which DeepSpeed 0.19.8 does not do with the pinned transformers
+# 5.23.0 (5.24.0 made it: constraints/README.md), and the fake-CUDA route runs as stand-ins
+# (fakecuda/inference_kernels.py). The default of --overrides.
 SCRIPTS_OVERRIDES = {"hybrid_engine_kernels": True}
 
 
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="opt-1.3b")
     ap.add_argument("--overrides", default=json.dumps(SCRIPTS_OVERRIDES),
                     help="scenario overrides JSON (default: the study's scripts, %(default)s; '{}' runs DeepSpeed "
-                         "0.19.8's own Hybrid Engine, which injects no kernel into transformers 5's OPT)")
+                         "0.19.8's own Hybrid Engine, which injects no kernel into OPT with the pinned transformers "
+                         "5.23.0)")
     ap.add_argument("--out", default="study-scale-results")
     ap.add_argument("--jobs", type=int, default=1, help="strategies run at once (each uses one core)")
     ap.add_argument("--tensors", choices=("sim", "fake"), default="sim",

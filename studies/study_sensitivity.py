@@ -24,7 +24,7 @@ SCRIPTS = study_scale.SCRIPTS_OVERRIDES
 ROWS: dict[str, tuple[str, dict, list[str]]] = {
     "scripts": ("as `run_1.3b.sh` ran on the study's DeepSpeed: Hybrid Engine with its inference kernels, EMA, "
                 "batch 4, actor dropout 0; math attention; record_stream immediate", SCRIPTS, []),
-    "he-native": ("Hybrid Engine without its kernels (DeepSpeed 0.19.8 with transformers 5: Hugging Face's "
+    "he-native": ("Hybrid Engine without its kernels (DeepSpeed 0.19.8 with transformers 5.23.0: Hugging Face's "
                   "generate, no whole-model gather, no LoRA fusion)", {}, []),
     "he-off": ("Hybrid Engine off", {"hybrid_engine": False}, []),
     "ema-off": ("EMA off", {**SCRIPTS, "ema": False}, []),

@@ -40,7 +40,8 @@ _cache: dict[str, dict] = {}
 
 
 # run_1.3b.sh on the study's DeepSpeed: the Hybrid Engine injected its inference kernels into OPT, which DeepSpeed
-# 0.19.8 does not do for transformers 5; the fake-CUDA route runs them as stand-ins (fakecuda/inference_kernels.py).
+# 0.19.8 does not do with the pinned transformers 5.23.0; the fake-CUDA route runs them as stand-ins
+# (fakecuda/inference_kernels.py).
 # The overrides studies/study_scale.py runs by default, which recorded the pinned figures.
 SCRIPTS = study_scale.SCRIPTS_OVERRIDES
 

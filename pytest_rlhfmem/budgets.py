@@ -86,7 +86,7 @@ class Tolerance:
         return budget + max(self.abs, int(self.rel * budget))
 
 
-# Measured spread (benchmarks/spread.py, 3 runs of each CPU-matrix scenario, and the sessions since; tiny
+# Measured spread (studies/spread.py, 3 runs of each CPU-matrix scenario, and the sessions since; tiny
 # OPT, 2 ranks): peak allocated varies by up to 0.9 MiB, ZeRO-3 peak reserved by one 2 MiB segment between
 # sessions (so 4 MiB = two segments of margin), the cudaMalloc count of ZeRO-3 runs with flushing by 2. A
 # GPU's own nondeterminism (the reference reports ~0.5% of the peak for ZeRO-3) is covered by the
@@ -98,7 +98,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "cuda_malloc_count": Tolerance(0.1, 3),
     "alloc_retries": Tolerance(0.0, 0),
     # Host RSS growth (peak minus the RSS after imports) moves with libraries' lazy allocations and glibc's
-    # arenas: within one environment the peak repeated within 3 MiB (benchmarks/spread.py) and the growth of
+    # arenas: within one environment the peak repeated within 3 MiB (studies/spread.py) and the growth of
     # the same ColossalChat scenario within 8 MiB (98-106 MiB) across runs; a fifth, at least 48 MiB, leaves
     # room for another environment's lazy allocations without hiding a model state the size of the tiny
     # pair's (the absolute peak, 540-848 MiB between environments, is reported but not gated).

@@ -20,7 +20,7 @@ measures how much). Two placements:
     sequence, given also three other ranges the driver maps outside the caching allocator (2 MiB before the
     first step, 240 MiB when the first cuBLAS handle is created, 8 MiB at the second), which only shift the
     segments above them and so change no choice of the allocator; they are not modelled
-    (``benchmarks/driver_layout.py`` replays with them: 495 of 495 addresses).
+    (``python -m studies.driver_layout`` replays with them: 495 of 495 addresses).
 
 The context's range is released by :meth:`FirstFitAddressSpace.cublas_handle_created`, which the replay
 calls at the first ALLOC named :data:`~.events.CUBLAS_WORKSPACE` (the simulated CUDA device names its

@@ -3,7 +3,7 @@
 A CPU run executes the same Python and the same ATen ops as a GPU run, so the tensors it allocates
 are the GPU's, with a few systematic exceptions. Each exception is one named adjustment below,
 applied to the raw recorder rows after the run (:func:`apply`); none is fitted to a workload, and the
-fidelity benchmark (``benchmarks/fidelity.py``) measures each one against real GPU recordings.
+fidelity benchmark (``python -m studies.fidelity``) measures each one against real GPU recordings.
 
 To tell allocations apart, :class:`OpMarker` (a ``TorchDispatchMode`` active during the CPU capture)
 writes a marker before and after every ATen op the dispatcher sees on the recording thread, autograd's

@@ -206,7 +206,7 @@ def install(get_rec: Any) -> list[str]:
 
     if record_stream_mode() != "immediate":  # its stand-ins log no host waits: delays would never end
         raise ValueError(f"${ENV_RECORD_STREAM}={record_stream_mode()}: modelled on the fake-CUDA route only "
-                         "(benchmarks/study_scale.py --record-stream); a command's capture supports: immediate")
+                         "(python -m studies.study_scale --record-stream); a command's capture supports: immediate")
     lib = library()
     live, history = LiveAllocator(get_rec), History(get_rec)
 

@@ -14,7 +14,7 @@ ranks' traces). For each input and each replay engine (``compiled``: ``memory/cs
   issue 9; target 1,000,000 events/s);
 - in-process, best of ``--repeat``: ``load`` (pickle: unpickle, then the columns; .rlhftrace: read,
   decompress, columns), ``replay`` (the engine, as the command runs it) and ``metrics``
-  (``recorded_summary_columns`` + ``agreement`` + the JSON object + ``json.dumps``), so the bound is named;
+  (``recorded_summary`` + ``agreement`` + the JSON object + ``json.dumps``), so the bound is named;
 - ``expandable_segments:True`` (the advisor's what-if; the Python model replays it), and the real GPU
   snapshots of ../shared/snapshots (or $RLHFMEM_SNAPSHOTS_DIR; never committed here);
 - the pickle's READER (issue 22): the whole command on the same 1M-event pickle with the compiled snapshot
@@ -36,11 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from pytest_rlhfmem.memory.allocator import AllocatorConfig
-from pytest_rlhfmem.memory.replay import agreement, replay, replay_columns, replay_json
-from pytest_rlhfmem.memory.replay_engine import load_columns_for_replay, recorded_summary_columns
-from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, FREE, Event, Trace, snapshot_columns_for_replay, write_snapshot
-from pytest_rlhfmem.memory.trace_io import is_trace_file, save_trace
+from pytest_rlhfmem.memory.replay import (
+    agreement, allocator_config, load_columns_for_replay, recorded_summary, replay, replay_json,
+)
+from pytest_rlhfmem.memory.trace import ALLOC, FLUSH, FREE, Event, Trace, write_snapshot
+from pytest_rlhfmem.memory.trace_io import save_trace
 from pytest_rlhfmem.shared_snapshots import snapshot_path
 
 
@@ -78,17 +78,16 @@ def best(fn, repeat: int) -> tuple[float, object]:
 
 def in_process(path: Path, repeat: int, conf: str | None, engine: str = "auto") -> dict:
     """load / replay / metrics seconds of one replay of ``path``, as the CLI runs it (free-running)."""
-    def load():  # as the command reads its input (cli.py)
-        if is_trace_file(path):
-            return load_columns_for_replay(str(path))
-        return snapshot_columns_for_replay(str(path))[:2]
+    def load():  # as the command reads its input (cli.py): the columns and the settings they were recorded with
+        cols, recorded = load_columns_for_replay(str(path))
+        return cols, allocator_config(recorded.allocator_settings, alloc_conf=conf, source=recorded.source)
 
-    t_load, (cols, recorded_config) = best(load, repeat)
-    config = AllocatorConfig.parse(conf) if conf else recorded_config
-    t_replay, result = best(lambda: replay_columns(cols, config=config, mode="free-running", engine=engine), repeat)
+    t_load, (cols, config) = best(load, repeat)
+    t_replay, result = best(lambda: replay(cols, config=config, mode="free-running", record_series=False,
+                                           engine=engine), repeat)
 
     def metrics() -> str:
-        rec = recorded_summary_columns(cols)
+        rec = recorded_summary(cols)
         agree = agreement(rec, result, cols.has_segment_events())
         return json.dumps(replay_json(str(path), "free-running", config, cols, result, rec, agree), indent=2)
 

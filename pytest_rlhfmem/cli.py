@@ -18,39 +18,34 @@ from .units import format_size
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .memory.allocator import AllocatorConfig, AllocatorConfigError
-    from .memory.driver_va import SegmentPlacement
-    from .memory.replay import ANCHORED, ReplayError, agreement, replay_columns, replay_json
-    from .memory.replay_engine import load_columns_for_replay, recorded_summary_columns
-    from .memory.trace import SnapshotError, snapshot_columns_for_replay
-    from .memory.trace_io import TraceFileError, is_trace_file
+    from .memory.allocator import AllocatorConfigError
+    from .memory.replay import (
+        ANCHORED, ReplayError, agreement, allocator_config, load_columns_for_replay, recorded_summary, replay,
+        replay_json,
+    )
+    from .memory.trace import SnapshotError
+    from .memory.trace_io import TraceFileError
 
     reader = None
     try:
-        version = args.torch_version
-        config = AllocatorConfig.parse(args.alloc_conf, version) if args.alloc_conf is not None else None
-        # an .rlhftrace file (replay_engine.py) or a snapshot pickle (the compiled snapshot reader), as columns
-        if is_trace_file(args.snapshot):
-            trace, recorded_config = load_columns_for_replay(args.snapshot, args.device, version)
-        else:
-            trace, recorded_config, reader = snapshot_columns_for_replay(args.snapshot, args.device, version)
+        # an .rlhftrace file or a snapshot pickle (the compiled snapshot reader), as columns and recorded settings
+        trace, recorded = load_columns_for_replay(args.snapshot, args.device)
+        if recorded.reader != "rlhftrace":
+            reader = recorded.reader
             if "unavailable" in reader:
                 print(f"rlhfmem: note: {reader[len('python ('):-1]}; the pickle was read in Python", file=sys.stderr)
         # the driver's placement is not an allocator setting: --alloc-conf keeps the trace's, --segment-placement wins
-        try:
-            placement = (recorded_config.segment_placement if args.segment_placement is None
-                         else SegmentPlacement.parse(args.segment_placement, "--segment-placement"))
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-        config = (config or recorded_config).with_options(segment_placement=placement)
+        config = allocator_config(recorded.allocator_settings, args.torch_version, args.alloc_conf,
+                                  args.segment_placement, recorded.source)
         capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
-        result = replay_columns(trace, config=config, mode=args.mode, capacity=capacity, engine=args.engine)
+        result = replay(trace, config=config, mode=args.mode, capacity=capacity, record_series=False,
+                        engine=args.engine)
     except (SnapshotError, AllocatorConfigError, ReplayError, TraceFileError) as exc:
         raise CliError(str(exc)) from None
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError) as exc:
         # the model's own consistency checks: still one line, naming the file
         raise CliError(f"{args.snapshot}: cannot replay ({type(exc).__name__}: {exc})") from None
-    rec = recorded_summary_columns(trace)
+    rec = recorded_summary(trace)
     agree = agreement(rec, result, trace.has_segment_events())
     spread = _address_order_spread(args, trace, config) if args.address_orders else None
     origin = _peak_origin(args, trace, config, result.total.peak_reserved) if args.peak_origin else None

@@ -297,20 +297,23 @@ def test_both_engines_agree_on_the_limited_memory_scenario(version, conf):
 def test_replay_json_names_the_version_and_why():
     """rlhfmem replay --json: a snapshot whose settings lack the 2.9 key replays as 2.8 and says so."""
     from helpers import shared_snapshot
-    from pytest_rlhfmem.memory.replay import agreement, replay_columns, replay_json
-    from pytest_rlhfmem.memory.replay_engine import load_columns_for_replay, recorded_summary_columns
+    from pytest_rlhfmem.memory.replay import (
+        agreement, allocator_config, load_columns_for_replay, recorded_summary, replay_json,
+    )
 
     path = str(shared_snapshot("slime_init_b"))
-    cols, config = load_columns_for_replay(path)
-    result = replay_columns(cols, config, mode="anchored")
-    rec = recorded_summary_columns(cols)
+    cols, recorded = load_columns_for_replay(path)
+    result = replay(cols, mode="anchored", record_series=False, engine="auto")
+    config = result.config
+    assert config == allocator_config(recorded.allocator_settings)
+    rec = recorded_summary(cols)
     out = replay_json(path, "anchored", config, cols, result, rec, agreement(rec, result, True))
     assert out["torch_version"] == "2.8" and "at most 2.8" in out["torch_version_source"]
     assert out["agreement"]["segment_allocs_matching"] == 422
     assert out["allowed_memory_maximum"] is None
-    cols, config = load_columns_for_replay(path, torch_version="2.10")
+    config = allocator_config(recorded.allocator_settings, torch_version="2.10", source=path)
     assert config.torch_version == (2, 10) and config.torch_version_source == "given"
     config = config.with_options(per_process_memory_fraction=0.5)
-    result = replay_columns(cols, config, capacity=8 * 1024 * MiB)
+    result = replay(cols, config, capacity=8 * 1024 * MiB, record_series=False, engine="auto")
     out = replay_json(path, "free-running", config, cols, result, rec, agreement(rec, result, True))
     assert out["capacity"] == 8 * 1024 * MiB and out["allowed_memory_maximum"] == 4 * 1024 * MiB

@@ -11,8 +11,10 @@ flushes, the end state's byte counts. So must every real GPU snapshot the compil
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,15 +25,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from pytest_rlhfmem.memory.allocator import MiB, AllocatorConfig
-from pytest_rlhfmem.memory.replay import ANCHORED, FREE_RUNNING, ReplayResult, replay, replay_columns
-from pytest_rlhfmem.memory.replay_engine import (
-    COMPILED, PYTHON, columns_from_snapshot, columns_from_trace, engine_for, recorded_summary_columns,
+from pytest_rlhfmem.memory.columns import columns_from_trace
+from pytest_rlhfmem.memory.replay import (
+    ANCHORED, FREE_RUNNING, ReplayResult, allocator_config, infer_capacity, recorded_summary, replay,
 )
-from pytest_rlhfmem.memory.replay import recorded_summary
+from pytest_rlhfmem.memory.replay_engine import (
+    COMPILED, PYTHON, SOURCE, STATUS_MESSAGES, ReplaySettings, ReplayStatus, engine_for, settings_layout,
+)
 from pytest_rlhfmem.memory.replay_types import ReplayError
 from pytest_rlhfmem.memory.trace import (
     ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
-    SEGMENT_FREE, Event, SegmentState, Trace, load_snapshot, trace_from_snapshot,
+    SEGMENT_FREE, Event, SegmentState, Trace, columns_from_snapshot, load_snapshot, trace_from_snapshot,
 )
 from tests.helpers import shared_snapshot
 
@@ -441,10 +445,10 @@ def test_inserted_flushes_equal_flush_events(ops_list, conf, data):
     except (ReplayError, KeyError, ValueError) as exc:
         expected = "KeyError" if isinstance(exc, KeyError) else "double free" if "double free" in str(exc) else None
         with pytest.raises((ReplayError, ValueError)) as cc_exc:
-            replay_columns(columns_from_trace(trace), config, flush_at=positions, flush_names=names, engine=COMPILED)
+            replay(trace, config, record_series=False, flush_at=positions, flush_names=names, engine=COMPILED)
         assert expected in str(cc_exc.value) if expected else str(cc_exc.value) == str(exc)
         return
-    cc = replay_columns(columns_from_trace(trace), config, flush_at=positions, flush_names=names, engine=COMPILED)
+    cc = replay(trace, config, record_series=False, flush_at=positions, flush_names=names, engine=COMPILED)
     assert_same(py, cc)
 
 
@@ -464,6 +468,55 @@ def test_engine_choice_names_its_reason():
         engine_for(cols, default, ANCHORED, record_series=True, requested=COMPILED)
 
 
+@needs_gxx
+def test_settings_struct_mirror_has_the_cpp_layout():
+    """The ctypes mirror of ``struct ReplaySettings`` (replay_engine.ReplaySettings) has the C++ struct's size and
+    every field's offset, in the same order, as the compiled core reports them (``rc_settings_layout``): a field
+    added, dropped, moved or retyped on one side only fails here."""
+    size, offsets = settings_layout()
+    assert size == ctypes.sizeof(ReplaySettings)
+    assert offsets == [getattr(ReplaySettings, name).offset for name, _ in ReplaySettings._fields_]
+
+
+def test_status_enum_mirror_has_the_cpp_values_and_every_error_a_message():
+    """``enum ReplayStatus`` of replay_core.cpp and its IntEnum mirror name the same values (RC_<NAME> = n); every
+    error status has its message in the one table."""
+    body = re.search(r"enum ReplayStatus : int \{(.*?)\};", SOURCE.read_text(), re.S).group(1)
+    cpp = {name: int(v) for name, v in re.findall(r"RC_(\w+) = (\d+)", body)}
+    assert cpp == {s.name: s.value for s in ReplayStatus}
+    assert set(STATUS_MESSAGES) == set(ReplayStatus) - {ReplayStatus.OK}
+
+
+def test_settings_struct_carries_the_config_by_name():
+    """ReplaySettings.from_config: each AllocatorConfig field lands in the field of its name; the capacity the
+    core enforces is per_process_memory_fraction's (allowed_memory_maximum), the device's total beside it."""
+    config = AllocatorConfig.parse("max_split_size_mb:64,max_non_split_rounding_mb:4,roundup_power2_divisions:"
+                                   "[1:4,>:2],garbage_collection_threshold:0.5,per_process_memory_fraction:0.5,"
+                                   "expandable_segments:True")
+    s = ReplaySettings.from_config(config, 1000 * MiB, ANCHORED)
+    assert (s.max_split_size, s.max_non_split_rounding_size) == (64 * MiB, 4 * MiB)
+    assert list(s.roundup_power2_divisions) == list(config.roundup_power2_divisions)
+    assert (s.garbage_collection_threshold, s.expandable_segments, s.anchored) == (0.5, 1, 1)
+    assert (s.capacity, s.has_capacity, s.has_allowed_memory_maximum) == (500 * MiB, 1, 1)
+    assert (s.device_total, s.has_device_total) == (1000 * MiB, 1)
+    assert (s.innermost_pool, s.use_on_oom_before_release, s.empty_cache_scoped_to_region) == (1, 1, 0)
+    old = ReplaySettings.from_config(AllocatorConfig(torch_version=(2, 7)), None, FREE_RUNNING)
+    assert (old.has_capacity, old.has_device_total, old.anchored) == (0, 0, 0)
+    assert (old.innermost_pool, old.use_on_oom_before_release, old.empty_cache_scoped_to_region) == (0, 0, 1)
+
+
+def test_a_trace_converts_to_columns_once():
+    """replay's one conversion: a Trace's columns hand the same Trace back (the Python engine replays it, not a
+    rebuilt copy); columns read from a file rebuild their events."""
+    trace = Trace(events=[Event(ALLOC, 1, 10), Event("user_annotation", 0, 0), Event(FREE, 1, 0)])
+    cols = columns_from_trace(trace)
+    assert cols.to_trace() is trace
+    rebuilt = columns_from_trace(trace)
+    rebuilt.trace = None
+    assert rebuilt == cols  # the kept Trace takes no part in equality
+    assert [e.action for e in rebuilt.to_trace().events] == [ALLOC, "other", FREE]
+
+
 PRIVATE_POOLS = ("slime_init_b",)  # a torch.cuda.MemPool from an RL framework's model init
 REAL = ("eor_nn", "select_n_a", "cs336_ctx256_fwd", "codeloc_expandable_dev0_dev2", "slime_init_b",
         "llminf_1p3b_a", "wedson_medium_128_inference", "wedson_medium_256_training")
@@ -480,14 +533,15 @@ def test_real_snapshots_same_results_from_both_engines(name, mode):
     # The columnar loader reads the same events and initial state as trace_from_snapshot.
     assert [tuple(e) for e in cols.to_trace().events] == [tuple(e) for e in trace.events]
     assert cols.initial_segments == trace.initial_segments
-    assert recorded_summary_columns(cols) == recorded_summary(trace)
-    config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"))
+    assert recorded_summary(cols) == recorded_summary(trace)
+    assert infer_capacity(cols) == infer_capacity(trace)
+    config = allocator_config(snap.get("allocator_settings"), source=str(path))
     engine, why = engine_for(cols, config, mode)
     assert engine == COMPILED, why
     if name in PRIVATE_POOLS:
         assert why == f"{mode}, with private pools" and cols.has_pool_markers()
     py = replay(trace, config, mode, record_series=False)
-    cc = replay_columns(cols, config, mode)
+    cc = replay(cols, config, mode, record_series=False, engine="auto")
     assert_same(py, cc)
     assert cc.total.events > 0
 

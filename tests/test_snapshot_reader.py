@@ -246,10 +246,11 @@ def test_a_length_past_any_size_is_one_line(tmp_path):
 
 
 def test_load_columns_for_replay_reads_pickles_compiled(monkeypatch):
-    """replay_engine.load_columns_for_replay (the benchmark's and the API's entry) reads a pickle with the
-    compiled reader now: the same columns and settings as Python's Unpickler path, on every real snapshot."""
+    """replay.load_columns_for_replay (the CLI's, the benchmark's and the API's entry) reads a pickle with the
+    compiled reader now: the same columns and settings as Python's Unpickler path, on every real snapshot; the
+    recorded settings are the file's, as read (replay.allocator_config builds the same AllocatorConfig)."""
     from pytest_rlhfmem.memory import trace as trace_mod
-    from pytest_rlhfmem.memory.replay_engine import load_columns_for_replay
+    from pytest_rlhfmem.memory.replay import allocator_config, load_columns_for_replay
 
     readers = []
     real = trace_mod.load_snapshot_columnar
@@ -262,7 +263,10 @@ def test_load_columns_for_replay_reads_pickles_compiled(monkeypatch):
     monkeypatch.setattr(trace_mod, "load_snapshot_columnar", spy)
     for name in ALL_SNAPSHOTS:
         path = shared_snapshot(name)
-        cols, config = load_columns_for_replay(str(path))
+        cols, recorded = load_columns_for_replay(str(path))
         assert old_path(str(path)) == ("ok", cols)
-        assert config == _config(load_snapshot(path))
+        snap = load_snapshot(path)
+        assert (recorded.allocator_settings, recorded.source, recorded.reader) == (
+            snap.get("allocator_settings"), str(path), "compiled")
+        assert allocator_config(recorded.allocator_settings) == _config(snap)
     assert readers == ["compiled"] * len(ALL_SNAPSHOTS)

@@ -12,9 +12,8 @@ import gc
 import multiprocessing
 
 from ..memory.allocator import AllocatorConfig
-from ..memory.columns import columns_from_trace
 from ..memory.events import Trace
-from ..memory.replay import FREE_RUNNING, PYTHON, replay_columns
+from ..memory.replay import FREE_RUNNING, PYTHON, replay
 from ..memory.replay_engine import engine_for
 from .candidates import Spec
 from .inputs import RankInput
@@ -41,12 +40,12 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
         if spec.flushes:
             names = [n for n in spec.flushes if n in ri.boundaries.positions]
             positions = [ri.boundaries.positions[n] for n in names]
-    trace = Trace(events=events, initial_segments=ri.trace.initial_segments,
-                  allocator_settings=ri.trace.allocator_settings, capture=ri.trace.capture)
-    if cols is None:
-        cols = columns_from_trace(trace)
-    res = replay_columns(cols, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=spec.capacity,
-                         flush_at=positions, flush_names=names, trace=trace)
+    # the columns carry the Trace they were built from (inputs._rank_input): the Python engine replays that
+    trace = cols if cols is not None else Trace(events=events, initial_segments=ri.trace.initial_segments,
+                                                allocator_settings=ri.trace.allocator_settings,
+                                                capture=ri.trace.capture)
+    res = replay(trace, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=spec.capacity,
+                 record_series=False, engine="auto", flush_at=positions, flush_names=names)
     t = res.total
     return {"rank": ri.rank, "peak_reserved": t.peak_reserved, "fragmentation_at_peak": t.fragmentation_at_peak,
             "peak_phase": res.peak_phase, "cuda_malloc": t.cuda_malloc_count, "cuda_free": t.cuda_free_count,

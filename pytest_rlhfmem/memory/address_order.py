@@ -33,6 +33,7 @@ from collections.abc import Callable
 from .allocator import AllocatorConfig
 from .events import ALLOC, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, SEGMENT_ACTIONS, Trace
 from .python_engine import replay_python
+from .replay import allocator_config
 from .replay_types import FREE_RUNNING
 
 SUPPORTED = (ALLOC, FREE, FREE_REQUESTED, FLUSH, PHASE, PHASE_END, *SEGMENT_ACTIONS)
@@ -74,7 +75,7 @@ def address_order_spread(trace: Trace, orders: int = 16, seed: int = 0,
     """
     if orders < 1:
         raise ValueError(f"address orders: {orders}; allowed values are 1 or more")
-    config = config or AllocatorConfig.from_snapshot_settings(trace.allocator_settings)
+    config = config or allocator_config(trace.allocator_settings, source=trace.source)
     if config.expandable_segments:
         raise ValueError(f"{trace.source or 'trace'}: expandable segments: a segment's place is reserved once, "
                          "so the address order of cudaMalloc does not apply")

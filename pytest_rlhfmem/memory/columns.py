@@ -12,6 +12,7 @@ from array import array
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
+from typing import NamedTuple
 
 from .events import (
     ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
@@ -50,6 +51,8 @@ class TraceColumns:
     capture: str = ""
     source: str = ""
     device: int = 0
+    # the Trace these columns were built from (columns_from_trace), handed back by to_trace: one conversion each way
+    trace: Trace | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.action)
@@ -74,7 +77,10 @@ class TraceColumns:
         return out
 
     def to_trace(self) -> Trace:
-        """The Event list (for the Python engine): one Python object per event."""
+        """The Event list (for the Python engine): one Python object per event; the Trace itself when these
+        columns were built from one (:func:`as_columns`)."""
+        if self.trace is not None:
+            return self.trace
         names, acts = self.names, ACTIONS + ("other",)
         times = self.absolute_times()
         events = [Event(acts[c], a, s, st, t, names[k] if k >= 0 else "")
@@ -84,8 +90,30 @@ class TraceColumns:
                      device=self.device)
 
 
+class RecordedSettings(NamedTuple):
+    """What a trace file says about its recording beside the events, as read (nothing parsed): what a loader
+    returns with the columns (``trace.snapshot_columns_for_replay``, ``trace_io.load_columns``), for
+    :func:`~.replay.allocator_config` to build the :class:`~.allocator.AllocatorConfig` from, once.
+
+    ``allocator_settings``: the recording's ``allocator_settings`` (a snapshot's, ``torch/csrc/cuda/Module.cpp``
+    ``_memory_snapshot``; an ``.rlhftrace`` header's), ``None`` when the file holds none. ``source``: the file.
+    ``reader``: what read it: ``"rlhftrace"``, or a pickle's reader (``"compiled"``: ``csrc/snapshot_reader.cpp``;
+    ``"python (<why>)"``: Python's Unpickler)."""
+
+    allocator_settings: dict | None
+    source: str
+    reader: str
+
+
+def as_columns(trace: Trace | TraceColumns) -> TraceColumns:
+    """The one conversion at replay's surface: ``trace`` as columns (itself when it is columns; a
+    :class:`~.events.Trace` converted once, by :func:`columns_from_trace`, and kept: ``to_trace()`` returns it)."""
+    return trace if isinstance(trace, TraceColumns) else columns_from_trace(trace)
+
+
 def columns_from_trace(trace: Trace) -> TraceColumns:
-    """The columns of ``trace`` (one pass over its events; an unknown action becomes OTHER)."""
+    """The columns of ``trace`` (one pass over its events; an unknown action becomes OTHER); ``trace`` is kept
+    (``to_trace()`` returns it)."""
     names: list[str] = []
     index: dict[str, int] = {"": -1}
 
@@ -108,7 +136,7 @@ def columns_from_trace(trace: Trace) -> TraceColumns:
         name=array("i", map(name_of, map(itemgetter(5), ev))), names=names,
         initial_segments=trace.initial_segments, final_segments=trace.final_segments,
         allocator_settings=trace.allocator_settings, capture=trace.capture, source=trace.source,
-        device=trace.device)
+        device=trace.device, trace=trace)
 
 
 def drop_immediate_requests(action: bytes, addr: array, *rest: array) -> tuple:

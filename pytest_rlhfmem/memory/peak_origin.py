@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from .allocator import AllocatorConfig
 from .events import ALLOC, FREE, PHASE, SEGMENT_ALLOC, Trace
 from .python_engine import replay_python
+from .replay import allocator_config
 from .replay_types import FREE_RUNNING
 
 BEFORE_PHASES = "(before the first phase)"
@@ -49,7 +50,7 @@ def peak_origin(trace: Trace, peak_reserved: int, config: AllocatorConfig | None
     """Replay ``trace`` (free-running, the model's placement) up to the first allocation that takes reserved to
     ``peak_reserved`` bytes (a replay's ``total.peak_reserved``) and break the state down by phase. Raises
     ``ValueError`` when the replay never reaches ``peak_reserved`` (a figure of another replay or setting)."""
-    config = config or AllocatorConfig.from_snapshot_settings(trace.allocator_settings)
+    config = config or allocator_config(trace.allocator_settings, source=trace.source)
     res = replay_python(trace, config, FREE_RUNNING, None, False, True, "peak origin",
                         stop_at_reserved=peak_reserved)
     model = res.model

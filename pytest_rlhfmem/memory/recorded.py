@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .columns import CODE, TraceColumns, columns_from_trace
+from .columns import CODE, TraceColumns, as_columns
 from .events import (
     ALLOC, FLUSH, FREE, OOM, POOL_ENTER, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Trace,
 )
@@ -43,38 +43,48 @@ def recorded_release_batches(events: list) -> dict[int, int | None]:
     return batches
 
 
-def infer_capacity(trace: Trace) -> int | None:
-    """The device bytes the allocator could have held, from the trace's ``oom`` entries: at each, the
-    recorded reserved bytes plus the free bytes ``cudaMemGetInfo`` reported (the entry's ``addr``); the
-    smallest over the entries. ``None`` when the trace has no OOM with a free-memory figure."""
-    reserved = sum(s.total_size for s in trace.initial_segments)
-    cap: int | None = None
-    for e in trace.events:
-        if e.action in CREATIONS:
-            reserved += e.size
-        elif e.action in RELEASES:
-            reserved -= e.size
-        elif e.action == OOM and e.addr > 0:
-            c = reserved + e.addr
-            cap = c if cap is None else min(cap, c)
-    return cap
-
-
-def recorded_summary(trace: Trace) -> RecordedSummary:
-    """Read the recorded cudaMalloc/cudaFree decisions and reserved figures off ``trace``: one
-    implementation, over columns (:func:`recorded_summary_columns`, what ``rlhfmem replay`` uses)."""
-    return recorded_summary_columns(columns_from_trace(trace))
-
-
 _RECORDED = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP,
                                                                  OOM))) + b"]")
 _BATCH_BREAK = re.compile(b"[" + re.escape(bytes(CODE[a] for a in (ALLOC, FREE, FLUSH))) + b"]")
+_OOM = bytes([CODE[OOM]])
 
 
-def recorded_summary_columns(cols: TraceColumns) -> RecordedSummary:
-    """:func:`recorded_summary` on columns: visits only the segment and oom events (found by a
-    regular expression over the action codes, at C speed) and asks the same expression language whether
-    an alloc, free or flush lies between two segment_free events (which ends a batch)."""
+def infer_capacity(trace: Trace | TraceColumns) -> int | None:
+    """The device bytes the allocator could have held, from the trace's ``oom`` entries: at each, the
+    recorded reserved bytes plus the free bytes ``cudaMemGetInfo`` reported (the entry's ``addr``); the
+    smallest over the entries. ``None`` when the trace has no OOM with a free-memory figure.
+
+    Visits only the segment and oom events of the columns (found by a regular expression over the action
+    codes, at C speed); a :class:`~.events.Trace` without an ``oom`` event is answered without converting it."""
+    if isinstance(trace, Trace) and not any(e.action == OOM for e in trace.events):
+        return None
+    cols = as_columns(trace)
+    if _OOM not in cols.action:
+        return None
+    reserved = sum(s.total_size for s in cols.initial_segments)
+    cap: int | None = None
+    act, addr, size = cols.action, cols.addr, cols.size
+    c_alloc, c_map, c_oom = CODE[SEGMENT_ALLOC], CODE[SEGMENT_MAP], CODE[OOM]
+    for m in _RECORDED.finditer(act):
+        i = m.start()
+        a = act[i]
+        if a == c_oom:
+            if addr[i] > 0:
+                c = reserved + addr[i]
+                cap = c if cap is None else min(cap, c)
+        elif a in (c_alloc, c_map):
+            reserved += size[i]
+        else:  # segment_free, segment_unmap
+            reserved -= size[i]
+    return cap
+
+
+def recorded_summary(trace: Trace | TraceColumns) -> RecordedSummary:
+    """Read the recorded cudaMalloc/cudaFree decisions and reserved figures off ``trace`` (a
+    :class:`~.events.Trace` is converted once: :func:`~.columns.as_columns`). Visits only the segment and oom
+    events (found by a regular expression over the action codes, at C speed) and asks the same expression
+    language whether an alloc, free or flush lies between two segment_free events (which ends a batch)."""
+    cols = as_columns(trace)
     reserved = sum(s.total_size for s in cols.initial_segments)
     initial = peak = reserved
     allocs: list[tuple[int, int]] = []

@@ -21,82 +21,131 @@ Two engines replay (``docs/replay-engine.md``): ``python_engine.py`` with ``allo
 every mode) and the compiled core ``csrc/replay_core.cpp`` behind ``replay_engine.py``, which mirrors them
 function by function for replays without series or replayed events (private pools included), about 25 times
 faster.
-:func:`replay` uses the Python model unless asked (``engine="auto"``); :func:`replay_columns` (the CLI and the
-advisor) picks. This module is the one replay entry: it sits above both engines, the formats and the types,
-and re-exports the names its callers have always imported from it (modes, results, ``with_flushes``).
+
+This module is the one replay entry, above both engines, the formats and the types. Its surface takes one trace
+shape, ``Trace | TraceColumns``, through one conversion (:func:`~.columns.as_columns`; a ``Trace`` is converted
+once, at this boundary, and the Python engine gets it back): :func:`replay` (``engine="python"``, the default, or
+``"auto"``: the compiled core where it applies), :func:`recorded_summary`, :func:`infer_capacity`. The loaders
+(:func:`load_columns_for_replay`: an ``.rlhftrace`` file or a snapshot pickle) return the columns and the
+recorded settings as the file holds them (:class:`~.columns.RecordedSettings`); :func:`allocator_config` is the
+one place an :class:`~.allocator.AllocatorConfig` is built from recorded settings (``replay`` calls it when
+given none). It re-exports the names its callers import from here (modes, results, ``with_flushes``).
 """
 
 from __future__ import annotations
 
-from .allocator import AllocatorConfig, allowed_memory_maximum
-from .columns import TraceColumns, columns_from_trace
+from .allocator import AllocatorConfig, AllocatorConfigError, allowed_memory_maximum
+from .columns import RecordedSettings, TraceColumns, as_columns
+from .driver_va import SegmentPlacement
 from .events import Trace
 from .python_engine import replay_python, with_flush_events, with_flushes
 from .recorded import infer_capacity, recorded_summary
-from .replay_engine import engine_for, infer_capacity_columns, run_compiled
-from .replay_types import ANCHORED, FREE_RUNNING, MODES, PYTHON, RecordedSummary, ReplayError, ReplayResult
+from .replay_engine import engine_for, run_compiled
+from .replay_types import (
+    ANCHORED, FREE_RUNNING, MODES, PYTHON, RecordedSummary, ReplayError, ReplayResult,
+)
+from .trace import snapshot_columns_for_replay
+from .trace_io import is_trace_file, load_columns
 
 __all__ = [  # the replay entry's own names, and those its callers import from here
-    "ANCHORED", "FREE_RUNNING", "MODES", "PYTHON", "RecordedSummary", "ReplayError", "ReplayResult", "agreement",
-    "infer_capacity", "recorded_summary", "replay", "replay_columns", "replay_json", "with_flushes",
+    "ANCHORED", "FREE_RUNNING", "MODES", "PYTHON", "RecordedSettings", "RecordedSummary", "ReplayError",
+    "ReplayResult", "agreement", "allocator_config", "infer_capacity", "load_columns_for_replay", "recorded_summary",
+    "replay", "replay_json", "with_flushes",
 ]
 
 
-def replay(trace: Trace, config: AllocatorConfig | None = None, mode: str = FREE_RUNNING,
+def load_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, RecordedSettings]:
+    """``rlhfmem replay``'s input: ``(columns, recorded settings)`` of an ``.rlhftrace`` file
+    (:func:`~.trace_io.load_columns`) or a snapshot pickle (:func:`~.trace.snapshot_columns_for_replay`: the
+    compiled snapshot reader when it builds here, else Python's global-refusing Unpickler, with the same results
+    and one-line errors; ``device`` picks the pickle's device trace, default the one with most events). Nothing is
+    parsed into an :class:`~.allocator.AllocatorConfig` here: :func:`allocator_config` does that. Raises
+    :class:`~.trace.SnapshotError` or :class:`~.trace_io.TraceFileError`."""
+    if is_trace_file(path):
+        return load_columns(path)
+    return snapshot_columns_for_replay(path, device)
+
+
+def allocator_config(settings: dict | None, torch_version: str | tuple[int, int] | None = None,
+                     alloc_conf: str | None = None, segment_placement: str | None = None,
+                     source: str = "") -> AllocatorConfig:
+    """The one place an :class:`~.allocator.AllocatorConfig` is built from a recording's settings.
+
+    ``settings``: the recording's ``allocator_settings`` (:class:`~.columns.RecordedSettings`, or a trace's own),
+    read by :meth:`~.allocator.AllocatorConfig.from_snapshot_settings` (``CUDAAllocatorConfig`` as
+    ``torch/csrc/cuda/Module.cpp`` ``_memory_snapshot`` writes it) for ``torch_version`` (``"2.10"``; ``None``:
+    the newest the settings allow). ``alloc_conf`` (a ``PYTORCH_CUDA_ALLOC_CONF`` string, ``rlhfmem replay
+    --alloc-conf``) replaces the recorded allocator settings; the driver's segment placement is not one of them,
+    so the recording's is kept unless ``segment_placement`` (``driver_va.SegmentPlacement.parse``'s spec,
+    ``--segment-placement``) is given. Raises :class:`~.allocator.AllocatorConfigError`: for ``alloc_conf``,
+    ``segment_placement`` or ``torch_version`` as parsed, for the recorded settings as ``<source>:
+    allocator_settings: <why>``."""
+    config = AllocatorConfig.parse(alloc_conf, torch_version) if alloc_conf is not None else None
+    try:
+        recorded = AllocatorConfig.from_snapshot_settings(settings, torch_version)
+    except (AllocatorConfigError, AttributeError, TypeError) as exc:
+        raise AllocatorConfigError(f"{source or 'trace'}: allocator_settings: {exc}") from None
+    if config is None and segment_placement is None:
+        return recorded
+    try:
+        placement = (recorded.segment_placement if segment_placement is None
+                     else SegmentPlacement.parse(segment_placement, "--segment-placement"))
+    except ValueError as exc:
+        raise AllocatorConfigError(str(exc)) from None
+    return (config or recorded).with_options(segment_placement=placement)
+
+
+def replay(trace: Trace | TraceColumns, config: AllocatorConfig | None = None, mode: str = FREE_RUNNING,
            capacity: int | None = None, record_series: bool = True, record_events: bool = False,
-           engine: str = PYTHON) -> ReplayResult:
-    """Replay ``trace``; returns a :class:`ReplayResult`.
+           engine: str = PYTHON, flush_at: list[int] | tuple[int, ...] = (),
+           flush_names: list[str] | tuple[str, ...] = ()) -> ReplayResult:
+    """Replay ``trace`` (a :class:`~.events.Trace` or its :class:`~.columns.TraceColumns`); returns a
+    :class:`ReplayResult` (``config``: the settings it ran under).
 
     ``engine``: ``python`` (``python_engine.py`` and ``allocator.py``: the reference, and the only one returning
     ``model`` and ``collector``), ``auto`` (the compiled core of ``replay_engine.py`` when it supports
-    this replay: no series or events recorded; else Python) or
-    ``compiled`` (raises ``ValueError`` when unsupported). ``ReplayResult.engine`` says which ran.
+    this replay: no series or events recorded, the default segment placement; else Python; the CLI's and the
+    advisor's) or ``compiled`` (raises ``ValueError`` when unsupported). ``ReplayResult.engine`` says which ran
+    and ``engine_reason`` why.
 
     ``record_events`` keeps the replayed trace (``ReplayResult.events``): allocations at the addresses the
     model chose, with its own segment_alloc/segment_free events, ready for :func:`~.trace.write_snapshot`.
+    ``flush_at``/``flush_names``: FLUSH events (``after-<name>``) inserted before those event indices
+    (:func:`~.python_engine.with_flushes`; the compiled core inserts them itself): the advisor's placements.
 
-    ``config`` defaults to the trace's recorded allocator settings; ``capacity`` is the device's bytes
-    (``None``: inferred from the trace's ``oom`` entries if it has any, else unlimited). Raises
-    ``ValueError`` for an unknown ``mode`` and :class:`ReplayError` for a trace the model cannot follow
+    ``config`` defaults to the trace's recorded allocator settings (:func:`allocator_config`); ``capacity`` is the
+    device's bytes (``None``: inferred from the trace's ``oom`` entries if it has any, else unlimited). Raises
+    ``ValueError`` for an unknown ``mode`` or ``engine``, :class:`~.allocator.AllocatorConfigError` for recorded
+    settings PyTorch could not have written, and :class:`ReplayError` for a trace the model cannot follow
     (unbalanced pool markers, a pre-existing segment its live blocks do not fit). A request the model
     cannot satisfy counts as an OOM (``ooms``) and the replay goes on, as a caught ``OutOfMemoryError``
     would.
     """
     if mode not in MODES:
         raise ValueError(f"replay mode {mode!r}: allowed values are {', '.join(MODES)}")
-    config = config or AllocatorConfig.from_snapshot_settings(trace.allocator_settings)
-    if engine != PYTHON:
-        return replay_columns(columns_from_trace(trace), config, mode, capacity, record_series, record_events,
-                              engine, trace=trace)
-    return replay_python(trace, config, mode, capacity, record_series, record_events, "requested")
-
-
-def replay_columns(cols: TraceColumns, config: AllocatorConfig | None = None, mode: str = FREE_RUNNING,
-                   capacity: int | None = None, record_series: bool = False, record_events: bool = False,
-                   engine: str = "auto", flush_at: list[int] | tuple[int, ...] = (),
-                   flush_names: list[str] | tuple[str, ...] = (), trace: Trace | None = None) -> ReplayResult:
-    """:func:`replay` of a trace given as columns (:class:`~.columns.TraceColumns`), by the engine
-    :func:`~.replay_engine.engine_for` picks. ``flush_at``/``flush_names``: FLUSH events inserted before
-    those event indices (:func:`~.python_engine.with_flushes`). ``trace``: the same trace as Events, if the caller has
-    it (saves rebuilding it for the Python engine). Raises as :func:`replay` does."""
-    if mode not in MODES:
-        raise ValueError(f"replay mode {mode!r}: allowed values are {', '.join(MODES)}")
-    config = config or AllocatorConfig.from_snapshot_settings(cols.allocator_settings)
-    name, why = engine_for(cols, config, mode, record_series, record_events, engine)
+    config = config or allocator_config(trace.allocator_settings, source=trace.source)
+    cols = None
+    if engine == PYTHON:
+        name, why = PYTHON, "requested"
+    else:
+        cols = as_columns(trace)
+        name, why = engine_for(cols, config, mode, record_series, record_events, engine)
     if name == PYTHON:
-        if trace is None:
-            trace = cols.to_trace()
+        events = trace if isinstance(trace, Trace) else trace.to_trace()
         if flush_at:
-            trace = with_flush_events(trace, flush_at, flush_names)
-        return replay_python(trace, config, mode, capacity, record_series, record_events, why)
-    capacity_source = "given" if capacity is not None else "unlimited"
-    if capacity is None:
-        capacity = infer_capacity_columns(cols)
-        if capacity is not None:
-            capacity_source = "inferred from the trace's oom entries"
-    result = run_compiled(cols, config, capacity, flush_at, flush_names, mode)
-    result.capacity_source = capacity_source
-    result.engine_reason = why
+            events = with_flush_events(events, flush_at, flush_names)
+        result = replay_python(events, config, mode, capacity, record_series, record_events, why)
+    else:
+        assert cols is not None
+        capacity_source = "given" if capacity is not None else "unlimited"
+        if capacity is None:
+            capacity = infer_capacity(cols)
+            if capacity is not None:
+                capacity_source = "inferred from the trace's oom entries"
+        result = run_compiled(cols, config, capacity, flush_at, flush_names, mode)
+        result.capacity_source = capacity_source
+        result.engine_reason = why
+    result.config = config
     return result
 
 
@@ -140,7 +189,7 @@ def agreement(recorded: RecordedSummary, sim: ReplayResult, has_segment_events: 
     }
 
 
-def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace, result: ReplayResult,
+def replay_json(path: str, mode: str, config: AllocatorConfig, trace: Trace | TraceColumns, result: ReplayResult,
                 rec: RecordedSummary, agree: dict) -> dict:
     """The ``rlhfmem replay --json`` object (also timed by benchmarks/replay_throughput.py)."""
     out = {

@@ -16,35 +16,33 @@ of the source and the compiler, under a ``filelock``; it is loaded with ctypes. 
 Python engine replays everything, after a one-line notice on stderr.
 
 A trace reaches the core as columns (:class:`~.columns.TraceColumns`): action codes as ``bytes`` and
-``array('q')`` address, size, stream and time columns, never as a million ``Event`` objects. This module sits
-beside ``python_engine.py``, above the formats (it loads ``rlhfmem replay``'s input) and the types; it
-re-exports the column and summary names its callers import from it.
+``array('q')`` address, size, stream and time columns, never as a million ``Event`` objects. The settings cross
+the seam by name, as one ``struct ReplaySettings`` (mirrored here once, :class:`ReplaySettings`), and ``rc_run``
+answers with an ``enum ReplayStatus`` (:class:`ReplayStatus`; its messages in one table). This module sits beside
+``python_engine.py``, above the trace types; ``replay.py`` is its one caller.
 """
 from __future__ import annotations
 
 import ctypes
+import enum
 import sys
 from array import array
 from pathlib import Path
 
 from .allocator import (
     DEFAULT_POOL, EMPTY_CACHE_ALL_FREEABLE_POOLS, NESTED_POOLS_INNERMOST, USE_ON_OOM_BEFORE_RELEASE, AllocatorConfig,
-    AllocatorConfigError, allowed_memory_maximum, kRoundUpPowerOfTwoIntervals,
+    allowed_memory_maximum, kRoundUpPowerOfTwoIntervals,
 )
 from ..cbuild import build_library
-from .columns import ACTIONS, CODE, OTHER, TraceColumns, columns_from_trace
+from .columns import ACTIONS, TraceColumns
 from .driver_va import ABOVE_LAST
-from .events import OOM, SegmentState
+from .events import SegmentState
 from .metrics import WindowMetrics
-from .recorded import infer_capacity, recorded_summary_columns
 from .replay_types import ANCHORED, COMPILED, ENGINES, PYTHON, ReplayError, ReplayResult
-from .trace import SnapshotError, columns_from_snapshot, snapshot_columns_for_replay
-from .trace_io import is_trace_file, load_columns
 
-__all__ = [  # this module's own names, and the column and summary names its callers import from here
-    "ACTIONS", "CODE", "COMPILED", "ENGINES", "OTHER", "PYTHON", "SOURCE", "EngineUnavailable", "TraceColumns",
-    "columns_from_snapshot", "columns_from_trace", "compiled_available", "engine_for", "infer_capacity_columns",
-    "library_path", "load_columns_for_replay", "load_library", "recorded_summary_columns", "run_compiled",
+__all__ = [
+    "COMPILED", "ENGINES", "PYTHON", "SOURCE", "STATUS_MESSAGES", "EngineUnavailable", "ReplaySettings", "ReplayStatus",
+    "compiled_available", "engine_for", "library_path", "load_library", "run_compiled",
 ]
 
 SOURCE = Path(__file__).with_name("csrc") / "replay_core.cpp"
@@ -52,6 +50,99 @@ SOURCE = Path(__file__).with_name("csrc") / "replay_core.cpp"
 
 class EngineUnavailable(RuntimeError):
     """The compiled core cannot be built or loaded here; the message says why (e.g. no g++)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The seam: the settings struct and the status enum of csrc/replay_core.cpp, mirrored once
+# ---------------------------------------------------------------------------------------------------
+
+
+class ReplaySettings(ctypes.Structure):
+    """``struct ReplaySettings`` of ``csrc/replay_core.cpp``, field for field (``rc_new``'s one argument).
+
+    Names are :class:`~.allocator.AllocatorConfig`'s and ``CUDACachingAllocator.cpp``'s (``CUDAAllocatorConfig``:
+    ``max_split_size``, ``max_non_split_rounding_size``, ``roundup_power2_divisions``,
+    ``garbage_collection_threshold``, ``expandable_segments``; ``DeviceCachingAllocator::allowed_memory_maximum``).
+    Sizes are bytes; flags 0 or 1; ``has_*`` 0 stands for None. :meth:`from_config` fills it;
+    ``rc_settings_layout`` reports the C++ struct's size and offsets (``tests/test_replay_core.py`` compares).
+    """
+
+    _fields_ = [
+        ("max_split_size", ctypes.c_int64),  # bytes; INT64_MAX (allocator.UNLIMITED) = unlimited
+        ("max_non_split_rounding_size", ctypes.c_int64),  # bytes
+        ("roundup_power2_divisions", ctypes.c_int64 * kRoundUpPowerOfTwoIntervals),
+        ("garbage_collection_threshold", ctypes.c_double),  # 0.0 = off
+        ("expandable_segments", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),  # bytes the allocator may reserve (after per_process_memory_fraction)
+        ("has_capacity", ctypes.c_int64),  # 0: unlimited
+        ("has_allowed_memory_maximum", ctypes.c_int64),  # per_process_memory_fraction < 1.0: capacity is that cap
+        ("device_total", ctypes.c_int64),  # bytes of the device before the fraction (allocator.py: device_total)
+        ("has_device_total", ctypes.c_int64),
+        ("anchored", ctypes.c_int64),  # the replay mode: 1 anchored, 0 free-running
+        ("innermost_pool", ctypes.c_int64),  # AllocatorConfig.since(NESTED_POOLS_INNERMOST), PR 168382
+        ("use_on_oom_before_release", ctypes.c_int64),  # since(USE_ON_OOM_BEFORE_RELEASE), PR 169699
+        ("empty_cache_scoped_to_region", ctypes.c_int64),  # not since(EMPTY_CACHE_ALL_FREEABLE_POOLS), PR 133602
+    ]
+
+    @classmethod
+    def from_config(cls, config: AllocatorConfig, capacity: int | None, mode: str) -> ReplaySettings:
+        """The settings of a replay of ``config`` on a device of ``capacity`` bytes (``None``: unlimited) in
+        ``mode``: the capacity the core enforces is :func:`~.allocator.allowed_memory_maximum`'s, as the Python
+        model's."""
+        allowed = allowed_memory_maximum(config, capacity)
+        return cls(
+            max_split_size=config.max_split_size,
+            max_non_split_rounding_size=config.max_non_split_rounding_size,
+            roundup_power2_divisions=(ctypes.c_int64 * kRoundUpPowerOfTwoIntervals)(
+                *config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals]),
+            garbage_collection_threshold=float(config.garbage_collection_threshold),
+            expandable_segments=int(config.expandable_segments),
+            capacity=allowed or 0, has_capacity=int(allowed is not None),
+            has_allowed_memory_maximum=int(config.per_process_memory_fraction < 1.0 and allowed is not None),
+            device_total=capacity or 0, has_device_total=int(capacity is not None),
+            anchored=int(mode == ANCHORED),
+            innermost_pool=int(config.since(NESTED_POOLS_INNERMOST)),
+            use_on_oom_before_release=int(config.since(USE_ON_OOM_BEFORE_RELEASE)),
+            empty_cache_scoped_to_region=int(not config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS)))
+
+
+def settings_layout() -> tuple[int, list[int]]:
+    """``(sizeof, offsets)`` of the C++ ``struct ReplaySettings`` as the compiled core reports them
+    (``rc_settings_layout``; offsets in field order). Raises :class:`EngineUnavailable`."""
+    out = array("q", bytes(8 * (1 + len(ReplaySettings._fields_))))
+    load_library().rc_settings_layout(out.buffer_info()[0])
+    return out[0], list(out[1:])
+
+
+class ReplayStatus(enum.IntEnum):
+    """``enum ReplayStatus`` of ``csrc/replay_core.cpp``: what ``rc_run`` returns. :data:`STATUS_MESSAGES` holds
+    what the Python engine says in each case (:func:`run_compiled` raises with it)."""
+
+    OK = 0
+    DOUBLE_FREE = 1  # ValueError
+    POOL_ALREADY_RECORDING = 2  # allocator.py: begin_allocate_to_pool's ValueError
+    POOL_RELEASED_WHILE_IN_USE = 3  # allocator.py: get_pool's KeyError
+    POOL_NOT_RECORDING = 4  # end_allocate_to_pool's ValueError
+    POOL_UNKNOWN = 5  # release_pool's ValueError
+
+
+# Each error status -> (exception, message). {source}, {event}, {action}, {pool_id}: the trace, the event index
+# (flushes inserted), its action and pool id. The pool markers' texts are allocator.py's, word for word, as
+# python_engine.py's ReplayError gives them.
+STATUS_MESSAGES: dict[ReplayStatus, tuple[type[Exception], str]] = {
+    ReplayStatus.DOUBLE_FREE: (ValueError, "double free at event {event} (model address reused by the trace)"),
+    ReplayStatus.POOL_ALREADY_RECORDING: (
+        ReplayError, "{source}: event {event} ({action}): beginAllocateToPool: already recording to mempool_id "
+                     "{pool_id}"),
+    ReplayStatus.POOL_RELEASED_WHILE_IN_USE: (
+        ReplayError, "{source}: event {event}: allocations go to a private pool that was released and emptied while "
+                     "a use_mem_pool region still held it (the Python model raises KeyError there)"),
+    ReplayStatus.POOL_NOT_RECORDING: (
+        ReplayError, "{source}: event {event} ({action}): endAllocateToPool: not currently recording to mempool_id "
+                     "{pool_id}"),
+    ReplayStatus.POOL_UNKNOWN: (ReplayError, "{source}: event {event} ({action}): releasePool: no pool with "
+                                             "mempool_id {pool_id}"),
+}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -76,13 +167,13 @@ def load_library() -> ctypes.CDLL:
     if _lib is None:
         lib = ctypes.CDLL(str(library_path()))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.rc_new.argtypes, lib.rc_new.restype = [p, ctypes.c_double], p
+        lib.rc_settings_layout.argtypes, lib.rc_settings_layout.restype = [p], None
+        lib.rc_new.argtypes, lib.rc_new.restype = [ctypes.POINTER(ReplaySettings)], p
         lib.rc_import_segment.argtypes, lib.rc_import_segment.restype = [p, i64, i64, i64, i32, i64, p, i64, i64], None
         lib.rc_run.argtypes, lib.rc_run.restype = [p, i64, p, p, p, p, p, i32, i64, p], i32
         lib.rc_result_size.argtypes, lib.rc_result_size.restype = [p], i64
         lib.rc_result_copy.argtypes, lib.rc_result_copy.restype = [p, p], None
         lib.rc_free.argtypes, lib.rc_free.restype = [p], None
-        lib.rc_infer_capacity.argtypes, lib.rc_infer_capacity.restype = [i64, p, p, p, i64, p], i32
         lib.rc_set_pools.argtypes, lib.rc_set_pools.restype = [p, i64, p, i64, p], None
         _lib = lib
     return _lib
@@ -150,20 +241,6 @@ def _buf(a: array | bytes) -> int:
     return a.buffer_info()[0]
 
 
-def infer_capacity_columns(cols: TraceColumns) -> int | None:
-    """:func:`~.recorded.infer_capacity` on columns (compiled when available, else through the Event list)."""
-    if bytes([CODE[OOM]]) not in cols.action:
-        return None
-    initial = sum(s.total_size for s in cols.initial_segments)
-    ok, _ = compiled_available()
-    if not ok:
-        return infer_capacity(cols.to_trace())
-    cap = array("q", [0])
-    found = load_library().rc_infer_capacity(len(cols), _buf(cols.action), _buf(cols.addr), _buf(cols.size), initial,
-                                             _buf(cap))
-    return cap[0] if found else None
-
-
 def _segment_pieces(seg: SegmentState) -> array:
     """``import_segment``'s blocks as (address, size, requested or -1) triples; raises ``ValueError`` as
     :meth:`~.allocator.CachingAllocatorModel.import_segment` does."""
@@ -183,10 +260,6 @@ def _segment_pieces(seg: SegmentState) -> array:
 
 
 _NONE = -(2**63)
-# rc_run's error codes for unbalanced pool markers -> allocator.py's ValueError text (before the pool id).
-_POOL_ERRORS = {2: "beginAllocateToPool: already recording to mempool_id",
-                4: "endAllocateToPool: not currently recording to mempool_id",
-                5: "releasePool: no pool with mempool_id"}
 _WINDOW_FIELDS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "max_fragmentation",
                   "inactive_split_at_peak", "cuda_malloc_count", "cuda_free_count", "alloc_retries", "ooms",
                   "events", "start_us", "end_us")
@@ -194,28 +267,21 @@ _WINDOW_FIELDS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "m
 
 def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | None,
                  flush_at: list[int] | tuple[int, ...] = (), flush_names: list[str] | tuple[str, ...] = (),
-                 mode: str = "free-running"):
+                 mode: str = "free-running") -> ReplayResult:
     """Replay ``cols`` through the compiled core in ``mode`` (``free-running`` or ``anchored``, as
     :func:`~.replay.replay`); returns a :class:`~.replay_types.ReplayResult` (``model`` and ``collector`` None,
     ``engine`` "compiled").
 
     ``flush_at``: sorted event indices before which a FLUSH named ``flush_names[k]`` is inserted (the
     advisor's candidates, as ``python_engine.with_flushes``), without copying the columns in Python. Raises
-    :class:`~.replay_types.ReplayError` for a segment that existed before the trace whose blocks do not fit it,
-    ``ValueError`` for a double free. ``capacity`` is bytes (``None``: unlimited).
+    :class:`~.replay_types.ReplayError` for a segment that existed before the trace whose blocks do not fit it
+    or unbalanced pool markers, ``ValueError`` for a double free (:class:`ReplayStatus`, with the Python engine's
+    messages). ``capacity`` is bytes (``None``: unlimited).
     """
     lib = load_library()
-    allowed = allowed_memory_maximum(config, capacity)  # per_process_memory_fraction, as the Python model
-    cfg = array("q", [config.max_split_size, config.max_non_split_rounding_size,
-                      allowed or 0, int(allowed is not None)])
-    cfg.extend(config.roundup_power2_divisions[:kRoundUpPowerOfTwoIntervals])
-    cfg.append(int(config.expandable_segments))
-    cfg.append(int(mode == ANCHORED))
-    cfg.extend((capacity or 0, int(capacity is not None), int(config.since(NESTED_POOLS_INNERMOST)),
-                int(config.since(USE_ON_OOM_BEFORE_RELEASE)), int(not config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS)),
-                int(config.per_process_memory_fraction < 1.0 and allowed is not None)))
+    settings = ReplaySettings.from_config(config, capacity, mode)
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
-    h = lib.rc_new(_buf(cfg), float(config.garbage_collection_threshold))
+    h = lib.rc_new(ctypes.byref(settings))
     try:
         if config.use_on_oom_pools or config.no_split_pools:
             oom = array("q", [x for pid in config.use_on_oom_pools for x in pid])
@@ -237,7 +303,7 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         lib.rc_result_copy(h, _buf(out))
     finally:
         lib.rc_free(h)
-    (error, error_event, final_reserved, final_allocated, final_requested, unmatched, oom_mismatches, num_free,
+    (_status, error_event, final_reserved, final_allocated, final_requested, unmatched, oom_mismatches, num_free,
      flush_frees, peak_phase, n_phases, n_dec, n_flush, n_points, n_req, _num_alloc) = out[:16]
 
     # Event index in the replayed list (flushes inserted) -> the original event's index, or the inserted
@@ -258,18 +324,13 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         j = cols.name[i]
         return cols.names[j] if j >= 0 else ""
 
-    if rc == 1:
-        raise ValueError(f"double free at event {error_event} (model address reused by the trace)")
-    if rc in _POOL_ERRORS:  # python_engine.py's ReplayError for the same marker, word for word
-        i = original(error_event)
-        assert isinstance(i, int)
-        pool_id = (cols.addr[i], cols.size[i])
-        raise ReplayError(f"{cols.source or 'trace'}: event {error_event} ({ACTIONS[cols.action[i]]}): "
-                          f"{_POOL_ERRORS[rc]} {pool_id}")
-    if rc == 3:
-        raise ReplayError(f"{cols.source or 'trace'}: event {error_event}: allocations go to a private pool that was "
-                          "released and emptied while a use_mem_pool region still held it (the Python model raises "
-                          "KeyError there)")
+    status = ReplayStatus(rc)
+    if status != ReplayStatus.OK:
+        error, template = STATUS_MESSAGES[status]
+        i = original(error_event)  # the pool statuses stop at a recorded POOL_* event, never an inserted flush
+        action, pool_id = (ACTIONS[cols.action[i]], (cols.addr[i], cols.size[i])) if isinstance(i, int) else (i, None)
+        raise error(template.format(source=cols.source or "trace", event=error_event, action=action,
+                                    pool_id=pool_id))
     pos = 16
 
     def window(phase: str) -> WindowMetrics:
@@ -318,28 +379,3 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         mode=mode, unmatched_frees=unmatched, flush_points=flush_points, flushes=flushes,
         cuda_frees_outside_flushes=num_free - flush_frees, requested_at_phase_end=requested_at_end,
         capacity=capacity, oom_mismatches=oom_mismatches, engine=COMPILED, segment_maps=maps, segment_unmaps=unmaps)
-
-
-# ---------------------------------------------------------------------------------------------------
-# rlhfmem replay's input
-# ---------------------------------------------------------------------------------------------------
-
-
-def load_columns_for_replay(path: str, device: int | None = None, torch_version: str | tuple[int, int] | None = None
-                            ) -> tuple[TraceColumns, AllocatorConfig]:
-    """``rlhfmem replay``'s input as columns, with the recorded allocator settings: an ``.rlhftrace`` file
-    (``trace_io.load_columns``) or a snapshot pickle (:func:`~.trace.snapshot_columns_for_replay`: the compiled
-    snapshot reader when it builds here, else Python's global-refusing Unpickler, with the same results and
-    one-line errors; blocks that existed before the trace are sized with the recorded settings, as they were
-    allocated). ``torch_version`` (``"2.10"``; ``None``: the newest modelled) selects the version's behaviours
-    (:class:`~.allocator.AllocatorConfig`). Raises :class:`~.trace.SnapshotError`, ``trace_io.TraceFileError``
-    or ``AllocatorConfigError``."""
-    if is_trace_file(path):
-        cols = load_columns(path)
-        cols.source = cols.source or path
-        try:
-            return cols, AllocatorConfig.from_snapshot_settings(cols.allocator_settings, torch_version)
-        except (AllocatorConfigError, AttributeError, TypeError) as exc:
-            raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
-    cols, recorded_config, _reader = snapshot_columns_for_replay(path, device, torch_version)
-    return cols, recorded_config

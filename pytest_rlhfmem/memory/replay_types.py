@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .allocator import CachingAllocatorModel
+from .allocator import AllocatorConfig, CachingAllocatorModel
 from .events import Event
 from .metrics import MetricsCollector, WindowMetrics
 
@@ -56,6 +56,7 @@ class ReplayResult:
     oom_mismatches: int = 0  # recorded OOMs the model could satisfy (the block was handed back at once)
     engine: str = "python"  # "python" (allocator.py) or "compiled" (csrc/replay_core.cpp): replay_engine.py
     engine_reason: str = ""  # why that engine (replay_engine.engine_for)
+    config: AllocatorConfig | None = None  # the settings the replay ran under (replay.replay sets it)
 
     @property
     def segments(self) -> list[dict]:

@@ -31,7 +31,8 @@ from .allocator import (
     kSmallSize,
 )
 from .columns import (
-    ACTIONS, CODE, TraceColumns, columns_from_trace, drop_immediate_request_events, drop_immediate_requests,
+    ACTIONS, CODE, RecordedSettings, TraceColumns, columns_from_trace, drop_immediate_request_events,
+    drop_immediate_requests,
 )
 from .events import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED,
@@ -152,19 +153,26 @@ def load_snapshot_columnar(path: str | Path) -> tuple[dict, str]:
     return snap, "compiled"
 
 
-def snapshot_columns_for_replay(path: str, device: int | None = None,
-                                torch_version: str | tuple[int, int] | None = None
-                                ) -> tuple[TraceColumns, AllocatorConfig, str]:
-    """``rlhfmem replay FILE.pickle``'s input (``replay_engine.load_columns_for_replay``'s pickle branch) read
-    through :func:`load_snapshot_columnar`. Returns ``(columns, recorded allocator settings, reader)``
-    (``reader`` as :func:`load_snapshot_columnar` says it); ``torch_version`` selects the version's behaviours
-    (:meth:`~.allocator.AllocatorConfig.from_snapshot_settings`). Raises :class:`SnapshotError`."""
+def snapshot_columns_for_replay(path: str, device: int | None = None) -> tuple[TraceColumns, RecordedSettings]:
+    """``rlhfmem replay FILE.pickle``'s input, read through :func:`load_snapshot_columnar` (the compiled snapshot
+    reader when it builds here): ``(columns, recorded settings)``, the settings as the file holds them
+    (``reader`` as :func:`load_snapshot_columnar` says it). ``device``: as :func:`trace_from_snapshot`. Blocks that
+    existed before the trace are sized with the recording's own settings, as they were allocated; the replay's
+    :class:`~.allocator.AllocatorConfig` is :func:`~.replay.allocator_config`'s. Raises :class:`SnapshotError`."""
     snap, reader = load_snapshot_columnar(path)
+    settings = snap.get("allocator_settings")
+    cols = columns_from_snapshot(snap, device, _recording_config(settings, path), path)
+    return cols, RecordedSettings(settings, path, reader)
+
+
+def _recording_config(settings: Any, source: str) -> AllocatorConfig:
+    """The recording's own allocator settings, for sizing the blocks that existed before the trace (decoding, not
+    replaying). Raises :class:`SnapshotError` (``<source>: allocator_settings: ...``) for settings PyTorch could not
+    have written."""
     try:
-        recorded_config = AllocatorConfig.from_snapshot_settings(snap.get("allocator_settings"), torch_version)
+        return AllocatorConfig.from_snapshot_settings(settings)
     except (AllocatorConfigError, AttributeError, TypeError) as exc:
-        raise SnapshotError(f"{path}: allocator_settings: {exc}") from None
-    return columns_from_snapshot(snap, device, recorded_config, path), recorded_config, reader
+        raise SnapshotError(f"{source}: allocator_settings: {exc}") from None
 
 
 def _pick_device(snap: dict, device: int | None, source: str) -> int:

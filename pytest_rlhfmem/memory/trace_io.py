@@ -33,7 +33,7 @@ from array import array
 from itertools import accumulate, repeat
 from pathlib import Path
 
-from .columns import CODE, OTHER, TraceColumns
+from .columns import CODE, OTHER, RecordedSettings, TraceColumns
 from .events import Event, SegmentState, Trace
 
 MAGIC = b"RLHFMEM-TRACE\n"
@@ -184,20 +184,23 @@ def load_trace(path: str | Path) -> Trace:
                  capture=str(header.get("capture", "")), source=str(header.get("source", "")))
 
 
-def load_columns(path: str | Path) -> TraceColumns:
-    """:func:`load_trace` without the Event objects: a :class:`~.columns.TraceColumns` whose action codes
-    are the replay engine's (one ``bytes.translate``), times kept as differences (``time_is_delta``).
+def load_columns(path: str | Path) -> tuple[TraceColumns, RecordedSettings]:
+    """:func:`load_trace` without the Event objects: ``(columns, recorded settings)``, the columns' action codes
+    the replay engine's (one ``bytes.translate``), times kept as differences (``time_is_delta``), ``source`` the
+    header's or else ``path``; the settings as the header holds them (``reader`` ``"rlhftrace"``).
     Raises :class:`TraceFileError`."""
     p, header, cols = _read(path)
     codes, addr, size, stream, dtime, name_col = cols
     table = bytearray(range(256))
     for i, a in enumerate(header["actions"]):
         table[i] = CODE.get(a, OTHER)
-    return TraceColumns(
+    settings = header.get("allocator_settings")
+    columns = TraceColumns(
         action=codes.tobytes().translate(bytes(table)), addr=addr, size=size, stream=stream, time_us=dtime,
         name=name_col, names=header["names"], time_is_delta=True, initial_segments=_initial_segments(p, header),
-        allocator_settings=header.get("allocator_settings"), capture=str(header.get("capture", "")),
-        source=str(header.get("source", "")))
+        allocator_settings=settings, capture=str(header.get("capture", "")),
+        source=str(header.get("source", "")) or str(path))
+    return columns, RecordedSettings(settings, str(path), "rlhftrace")
 
 
 def is_trace_file(path: str | Path) -> bool:

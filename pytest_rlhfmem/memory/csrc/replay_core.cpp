@@ -25,10 +25,12 @@
 // the innermost use_mem_pool region from 2.10; empty_cache inside a region scoped to its pool in 2.6-2.7).
 // Not covered (the Python model replays them): the per-event series and the replayed-events output.
 //
-// Interface: plain C functions for ctypes (no Python headers, no torch): rc_new, rc_set_pools,
-// rc_import_segment, rc_run, rc_result_size, rc_result_copy, rc_free. The result is one int64 array whose layout rc_result_copy
-// documents.
+// Interface: plain C functions for ctypes (no Python headers, no torch): rc_new (the settings by name: struct
+// ReplaySettings), rc_set_pools, rc_import_segment, rc_run (returns an enum ReplayStatus), rc_result_size,
+// rc_result_copy, rc_free, and rc_settings_layout (the struct's size and offsets, for the ctypes mirror's test).
+// The result is one int64 array whose layout Model::result documents.
 
+#include <cstddef>
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
@@ -170,6 +172,17 @@ class FlatMap {
 enum Action : uint8_t {
   A_ALLOC = 0, A_FREE, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP, A_SEGMENT_UNMAP, A_OOM,
   A_POOL_ENTER, A_POOL_EXIT, A_POOL_RELEASE, A_PHASE, A_PHASE_END, A_FLUSH, A_FREE_REQUESTED, A_OTHER
+};
+
+// What rc_run returns: 0, or where the Python engine raises (replay_engine.py's ReplayStatus mirrors it and
+// holds the messages).
+enum ReplayStatus : int {
+  RC_OK = 0,
+  RC_DOUBLE_FREE = 1,                 // a block freed twice (ValueError)
+  RC_POOL_ALREADY_RECORDING = 2,      // POOL_ENTER into a pool already recorded to (beginAllocateToPool)
+  RC_POOL_RELEASED_WHILE_IN_USE = 3,  // an allocation diverted to a forgotten pool (get_pool's KeyError)
+  RC_POOL_NOT_RECORDING = 4,          // POOL_EXIT of a pool not recorded to (endAllocateToPool)
+  RC_POOL_UNKNOWN = 5,                // POOL_EXIT / POOL_RELEASE of an unknown pool (releasePool)
 };
 
 struct BlockPool;
@@ -1161,10 +1174,8 @@ struct Model {
     return batches;
   }
 
-  // The loop of replay(); returns 0, or an error code where the Python engine raises: 1 = double free
-  // (ValueError), 2 = POOL_ENTER into a pool already recorded to, 4 = POOL_EXIT of a pool not recorded to,
-  // 5 = POOL_EXIT / POOL_RELEASE of an unknown pool (ReplayError), 3 = an allocation diverted to a forgotten
-  // pool (allocator.py's get_pool raises KeyError).
+  // The loop of replay(); returns RC_OK, or a ReplayStatus where the Python engine raises (error_event: the
+  // event).
   int run(i64 n, const uint8_t* act, const i64* addr, const i64* size, const i64* stream, const i64* time_us) {
     // recorded address -> model block. The Python model keeps a freed, merged block alive while `live`
     // still names it (and refuses a second free of it); here its object may have been reused, which the
@@ -1191,7 +1202,7 @@ struct Model {
           Block* block = malloc(size[idx], stream[idx]);
           if (pool_gone) {
             error_event = idx;
-            return 3;
+            return RC_POOL_RELEASED_WHILE_IN_USE;
           }
           if (block) live.put(addr[idx], LiveRef{block, block->serial});
           fail_next_cuda_malloc = false;
@@ -1209,7 +1220,7 @@ struct Model {
           if (LiveRef* found = live.find(addr[idx])) {
             if (found->block->serial != found->serial) {  // merged away since: a double free
               error_event = idx;
-              return 1;
+              return RC_DOUBLE_FREE;
             }
             block = found->block;
             if (!request) live.erase(addr[idx]);  // a requested block stays in live: its FREE finds it there
@@ -1221,7 +1232,7 @@ struct Model {
           }
           if (!(request ? request_free(block) : free(block))) {
             error_event = idx;
-            return 1;
+            return RC_DOUBLE_FREE;
           }
           last_was_free = false;
           collector.after_event(st.allocated_bytes, time_us[idx]);
@@ -1233,7 +1244,7 @@ struct Model {
           Block* block = malloc(size[idx], stream[idx]);
           if (pool_gone) {
             error_event = idx;
-            return 3;
+            return RC_POOL_RELEASED_WHILE_IN_USE;
           }
           if (block) {
             free(block);  // the program never got it
@@ -1258,7 +1269,7 @@ struct Model {
           bool retry = j >= 0 && (act[j] == A_OOM || !can_serve_from_cache(size[j], stream[j]));
           if (pool_gone) {
             error_event = idx;
-            return 3;
+            return RC_POOL_RELEASED_WHILE_IN_USE;
           }
           if (retry) {
             retry_allocs[j] = 1;  // the recorded cudaMalloc failed, then released and retried
@@ -1291,7 +1302,7 @@ struct Model {
           if (!graph_pools.count(pool_id)) create_or_incref_pool(pool_id);
           if (!begin_allocate_to_pool(pool_id)) {
             error_event = idx;
-            return 2;
+            return RC_POOL_ALREADY_RECORDING;
           }
           break;
         }
@@ -1299,11 +1310,11 @@ struct Model {
           MempoolId pool_id{addr[idx], size[idx]};
           if (!end_allocate_to_pool(pool_id)) {
             error_event = idx;
-            return 4;
+            return RC_POOL_NOT_RECORDING;
           }
           if (!release_pool(pool_id)) {
             error_event = idx;
-            return 5;
+            return RC_POOL_UNKNOWN;
           }
           break;
         }
@@ -1311,7 +1322,7 @@ struct Model {
           MempoolId pool_id{addr[idx], size[idx]};
           if (!release_pool(pool_id)) {
             error_event = idx;
-            return 5;
+            return RC_POOL_UNKNOWN;
           }
           release_cached_blocks(pool_id);
           break;
@@ -1322,7 +1333,7 @@ struct Model {
     }
     if (collector.current)
       requested_at_end.insert(requested_at_end.end(), {(i64)collector.phases.size() - 1, st.requested_bytes});
-    return 0;
+    return RC_OK;
   }
 
   // -- the result array ---------------------------------------------------------------------------
@@ -1372,32 +1383,67 @@ struct Handle {
 
 }  // namespace
 
+// The settings of one replay, passed by name (replay_engine.py mirrors this struct once, as the ctypes.Structure
+// ReplaySettings; rc_settings_layout reports its size and offsets, which tests/test_replay_core.py checks). The
+// names are AllocatorConfig's (allocator.py) and CUDACachingAllocator.cpp's: CUDAAllocatorConfig's
+// max_split_size, max_non_split_rounding_size, roundup_power2_divisions, garbage_collection_threshold,
+// expandable_segments; DeviceCachingAllocator's allowed_memory_maximum (setMemoryFraction). Sizes are bytes;
+// every flag is 0 or 1; a has_* flag 0 means None (unlimited, unknown).
+struct ReplaySettings {
+  int64_t max_split_size;               // bytes; INT64_MAX = unlimited
+  int64_t max_non_split_rounding_size;  // bytes
+  int64_t roundup_power2_divisions[kRoundUpPowerOfTwoIntervals];  // divisions per power-of-2 interval
+  double garbage_collection_threshold;  // 0.0 = off
+  int64_t expandable_segments;
+  int64_t capacity;      // bytes the allocator may reserve: the device's, or allowed_memory_maximum below it
+  int64_t has_capacity;  // 0: unlimited (capacity None)
+  int64_t has_allowed_memory_maximum;  // per_process_memory_fraction < 1.0: capacity is that cap
+  int64_t device_total;  // bytes of the device before per_process_memory_fraction (allocator.py: device_total)
+  int64_t has_device_total;
+  int64_t anchored;      // replay.py's mode: 1 anchored, 0 free-running
+  // behaviours selected by the modelled PyTorch version (allocator.py: AllocatorConfig.since)
+  int64_t innermost_pool;                // get_pool takes the innermost use_mem_pool region (2.10, PR 168382)
+  int64_t use_on_oom_before_release;     // use_on_oom pools tried before release_available_cached_blocks (2.10)
+  int64_t empty_cache_scoped_to_region;  // empty_cache inside a region scoped to its pool (2.6-2.7, PR 133602)
+};
+
 extern "C" {
 
-// config[28]: max_split_size, max_non_split_rounding_size, capacity (after per_process_memory_fraction),
-// has_capacity (0 = unlimited), roundup_power2_divisions[16], expandable_segments (0/1), anchored (0/1:
-// replay.py's mode), device_total, has_device_total, innermost_pool, use_on_oom_before_release,
-// empty_cache_scoped_to_region, has_allowed_memory_maximum (0/1 each); gc_threshold separately (a double).
-void* rc_new(const int64_t* config, double garbage_collection_threshold) {
+
+// ReplaySettings' size and field offsets, in declaration order (roundup_power2_divisions: its first item), into
+// out[1 + 15]; out[0] = sizeof. For the layout test of the ctypes mirror.
+void rc_settings_layout(int64_t* out) {
+  int k = 0;
+  out[k++] = (int64_t)sizeof(ReplaySettings);
+#define RC_OFFSET(f) out[k++] = (int64_t)offsetof(ReplaySettings, f)
+  RC_OFFSET(max_split_size); RC_OFFSET(max_non_split_rounding_size); RC_OFFSET(roundup_power2_divisions);
+  RC_OFFSET(garbage_collection_threshold); RC_OFFSET(expandable_segments); RC_OFFSET(capacity);
+  RC_OFFSET(has_capacity); RC_OFFSET(has_allowed_memory_maximum); RC_OFFSET(device_total);
+  RC_OFFSET(has_device_total); RC_OFFSET(anchored); RC_OFFSET(innermost_pool); RC_OFFSET(use_on_oom_before_release);
+  RC_OFFSET(empty_cache_scoped_to_region);
+#undef RC_OFFSET
+}
+
+void* rc_new(const ReplaySettings* s) {
   Handle* h = new Handle();
   Model& m = h->model;
-  m.max_split_size = config[0];
-  m.max_non_split_rounding_size = config[1];
-  m.capacity = config[2];
-  m.has_capacity = config[3] != 0;
+  m.max_split_size = s->max_split_size;
+  m.max_non_split_rounding_size = s->max_non_split_rounding_size;
   for (int i = 0; i < kRoundUpPowerOfTwoIntervals; ++i) {
-    m.roundup_power2_divisions[i] = config[4 + i];
-    if (config[4 + i] > 1) m.power2_rounding = true;
+    m.roundup_power2_divisions[i] = s->roundup_power2_divisions[i];
+    if (s->roundup_power2_divisions[i] > 1) m.power2_rounding = true;
   }
-  m.expandable_segments = config[4 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.anchored = config[5 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.device_total = config[6 + kRoundUpPowerOfTwoIntervals];
-  m.has_device_total = config[7 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.innermost_pool = config[8 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.use_on_oom_before_release = config[9 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.empty_cache_scoped_to_region = config[10 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.has_allowed_memory_maximum = config[11 + kRoundUpPowerOfTwoIntervals] != 0;
-  m.garbage_collection_threshold = garbage_collection_threshold;
+  m.garbage_collection_threshold = s->garbage_collection_threshold;
+  m.expandable_segments = s->expandable_segments != 0;
+  m.capacity = s->capacity;
+  m.has_capacity = s->has_capacity != 0;
+  m.has_allowed_memory_maximum = s->has_allowed_memory_maximum != 0;
+  m.device_total = s->device_total;
+  m.has_device_total = s->has_device_total != 0;
+  m.anchored = s->anchored != 0;
+  m.innermost_pool = s->innermost_pool != 0;
+  m.use_on_oom_before_release = s->use_on_oom_before_release != 0;
+  m.empty_cache_scoped_to_region = s->empty_cache_scoped_to_region != 0;
   return h;
 }
 
@@ -1476,26 +1522,5 @@ void rc_result_copy(void* h, int64_t* out) {
 }
 
 void rc_free(void* h) { delete static_cast<Handle*>(h); }
-
-// infer_capacity (replay.py) on columns: the smallest recorded reserved + free bytes over the oom entries,
-// into *capacity; returns 0 when there is none. initial_reserved: the pre-existing segments' bytes.
-int rc_infer_capacity(int64_t n, const uint8_t* act, const int64_t* addr, const int64_t* size,
-                      int64_t initial_reserved, int64_t* capacity) {
-  int64_t reserved = initial_reserved;
-  int found = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint8_t a = act[i];
-    if (a == A_SEGMENT_ALLOC || a == A_SEGMENT_MAP) {
-      reserved += size[i];
-    } else if (a == A_SEGMENT_FREE || a == A_SEGMENT_UNMAP) {
-      reserved -= size[i];
-    } else if (a == A_OOM && addr[i] > 0) {
-      int64_t c = reserved + addr[i];
-      if (!found || c < *capacity) *capacity = c;
-      found = 1;
-    }
-  }
-  return found;
-}
 
 }  // extern "C"

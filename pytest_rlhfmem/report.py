@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 from .budgets import BUDGET_METRICS, DEFAULT_TOLERANCES, SIZE_BUDGETS, BudgetError, load_budget_file
 from .memory.events import SIMULATED_CAPTURES
@@ -23,6 +23,16 @@ from .units import format_size
 # "unmeasured": the scenario is on both sides but one side lacks this metric (e.g. budgets written before
 # host memory was measured): it does not decide the scenario's verdict.
 STATUS_ORDER = {"regressed": 0, "failed": 1, "new": 2, "missing": 3, "improved": 4, "unchanged": 5, "unmeasured": 6}
+
+
+@runtime_checkable
+class SessionResults(Protocol):
+    """What a session's end-of-run files are made of: its results, one per scenario (a result JSON less its
+    per-rank detail, sizes in bytes, with ``nodeid``, ``budget`` (a budget verdict: its ``file``, ``entry``,
+    ``status``) and, over budget with ``--rlhfmem-advise``, ``advice``). The plugin's ``RlhfmemSession`` is one."""
+
+    @property
+    def results(self) -> list[dict]: ...
 
 
 class ReportInputError(ValueError):
@@ -340,7 +350,7 @@ def flush_tradeoffs(results: list[dict], spreads: dict | None = None) -> list[st
     return lines
 
 
-def session_diff(session: Any) -> Diff | None:
+def session_diff(session: SessionResults) -> Diff | None:
     """This session's results (head) against the budget entries they were checked against (base)."""
     head = Side("this run")
     base = Side("baselines")
@@ -362,9 +372,11 @@ def session_diff(session: Any) -> Diff | None:
     return diff(base, head)
 
 
-def write_session_outputs(session: Any, report: str | None, bench: str | None) -> None:
+def write_session_outputs(session: SessionResults, report: str | None, bench: str | None) -> None:
     """The files a session writes at its end: the diff report (``report``, markdown plus a JSON twin, also
-    appended to ``$GITHUB_STEP_SUMMARY`` when set) and github-action-benchmark JSON (``bench``)."""
+    appended to ``$GITHUB_STEP_SUMMARY`` when set) and github-action-benchmark JSON (``bench``, figures in
+    bytes); a path given as ``None`` is not written. Reads only ``session.results`` (and the budget files they name).
+    Raises ``OSError`` when a file cannot be written."""
     if bench:
         Path(bench).parent.mkdir(parents=True, exist_ok=True)
         Path(bench).write_text(json.dumps(benchmark_json(session.results), indent=1))

@@ -8,9 +8,9 @@
 
 The cache key is the source (and the ``.h`` files beside it), the flags, the compiler binary (path, size,
 mtime) and, for a library linked against torch, the torch installation (its directory and ``version.py``), so
-a new compiler, torch or source builds again. The library lands in ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default
-``~/.cache``) as ``<stem>_<key>.so``; concurrent builders wait on one file lock per source, and the library
-appears atomically (written beside, then renamed).
+a new compiler, torch or source builds again. The library lands in :func:`cache_dir` as ``<stem>_<key>.so``;
+concurrent builders wait on one file lock per source, and the library appears atomically (written beside, then
+renamed).
 """
 
 from __future__ import annotations
@@ -31,8 +31,15 @@ CXXFLAGS = ("-O2", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 600  # a Python extension of torch (torch/extension.h) takes ~1 min on one slow core
 
 
+ENV_CACHE_DIR = "RLHFMEM_CACHE_DIR"
+
+
 def cache_dir() -> Path:
-    """Where built libraries are cached: ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default ``~/.cache/...``)."""
+    """Where built libraries are cached: ``$RLHFMEM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pytest-rlhfmem`` (default
+    ``~/.cache/pytest-rlhfmem``). Sessions that change ``HOME`` (pytester's) pin it to share one cache."""
+    pinned = os.environ.get(ENV_CACHE_DIR)
+    if pinned:
+        return Path(pinned)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
 
 
@@ -87,6 +94,10 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
         if out.exists():  # another process built it while this one waited
             return out
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        # a first build takes seconds to a minute: say what and why, once, before the compiler starts
+        print(f"rlhfmem: building {source.name} with {os.path.basename(cxx)} (no cached build for this source, "
+              f"compiler{' and torch' if torch or python_module else ''}; cached in {cache} from now on)",
+              file=sys.stderr, flush=True)
         try:
             proc = subprocess.run([cxx, *cmd_flags, str(source), *link, "-o", str(tmp)], capture_output=True,
                                   text=True, timeout=BUILD_TIMEOUT_S)

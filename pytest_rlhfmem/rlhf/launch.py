@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..cbuild import cache_dir
 from ..hardware import cuda_device_count
 from ..hostcpu import fp16_answer
 from ..record.recorder import history_settings
@@ -125,7 +126,7 @@ def prebuild_ops(device: str, ops: list[str], timeout: float = 1800.0) -> float:
     a file lock, in a child process, before ranks start: two ranks building the same op at once race.
     Cached in torch's extension directory (``$TORCH_EXTENSIONS_DIR``); a warm call takes about a second.
 
-    ``timeout`` (seconds) bounds the wait for the lock (``$XDG_CACHE_HOME/pytest-rlhfmem/ds-ops.lock``, which
+    ``timeout`` (seconds) bounds the wait for the lock (``ds-ops.lock`` in ``cbuild.py: cache_dir()``, which
     every run of every environment of this user shares) and the builds together.
 
     Returns the seconds the builds took (the lock's wait excluded): a first build of FusedAdam or
@@ -135,7 +136,7 @@ def prebuild_ops(device: str, ops: list[str], timeout: float = 1800.0) -> float:
     ``timeout``."""
     from filelock import FileLock
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
+    cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     if not ops and device != "cpu":
         return 0.0

@@ -44,8 +44,9 @@ OPTIONS = (
            "for simulated figures, else cuda-<gpu model>-x<count>)"),
     Option("--rlhfmem-device", "rlhfmem_device", "where iterations run: auto = CUDA with one device per rank, "
            "CPU with the allocator model (simulated) when there is no CUDA device, and a run with fewer CUDA "
-           "devices than ranks is refused; cuda without a CUDA device is a usage error", "choice", "auto",
-           ("auto", "cpu", "cuda")),
+           "devices than ranks is refused; cuda without a CUDA device is a usage error; cuda-sim = a command's "
+           "CUDA code, unchanged, on the simulated CUDA device (rlhfmem_command only; simulated)", "choice", "auto",
+           ("auto", "cpu", "cuda", "cuda-sim")),
     Option("--rlhfmem-cuda-emulation", "rlhfmem_cuda_emulation", "CPU runs: emulate CUDA's own allocations "
            "(cuBLAS workspaces, host scalars, CPU kernel scratch) in the capture; results record it and budgets "
            "of another capture are refused as not comparable", "choice", "on", ("on", "off")),

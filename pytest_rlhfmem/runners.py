@@ -90,9 +90,14 @@ class IterationRunner(_Runner):
             scenario = Scenario(framework, models, strategy, flush, world_size, overrides, algorithm)
         except ScenarioError as exc:
             pytest.fail(str(exc), pytrace=False)
+        where = device or self.option("rlhfmem_device")
+        if where == "cuda-sim":
+            pytest.fail("ppo_iteration: device cuda-sim runs a command's CUDA code on the simulated CUDA device "
+                        "(rlhfmem_command); the recipes run on cpu or cuda, and on the simulated device through the "
+                        "fake-CUDA route (suites/test_deepspeed_chat_gpu1_sim.py)", pytrace=False)
 
         def start(work: Path, snapshots: str | None) -> dict:
-            return run_scenario(scenario, device=device or self.option("rlhfmem_device"),
+            return run_scenario(scenario, device=where,
                                 timeout=self.option("rlhfmem_timeout"), snapshot_dir=snapshots, work_dir=work,
                                 cuda_emulation=self.option("rlhfmem_cuda_emulation"))
 

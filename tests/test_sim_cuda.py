@@ -21,9 +21,12 @@ COMMANDS = DATA / "commands"
 SEGMENT_40_MIB = 41_943_040
 
 
-def capture(tmp_path: Path, script: str, *args: str, id: str, env: dict | None = None) -> dict:  # noqa: A002
+def capture(tmp_path: Path, script: str, *args: str, id: str, env: dict | None = None,  # noqa: A002
+            values: str = "off") -> dict:
+    """The script on the simulated device; without values unless ``values`` says so (the answers and figures
+    these tests name are the value-free device's; tests/test_sim_values.py runs programs that need values)."""
     result = run_command([str(COMMANDS / script), *args], id, device="cuda-sim", work_dir=tmp_path / "work",
-                         timeout=900, env=env)
+                         timeout=900, env=env, sim_values=values)
     assert result["status"] == "ok", result.get("failure") or Path(result["log"]).read_text()[-3000:]
     return result
 
@@ -100,7 +103,8 @@ def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_pa
     ``.to("cuda")``, no seed), its own ``_dump_snapshot`` of the recorded step: the same 1,280 allocation
     sizes in order, peak reserved and peak allocated equal to the byte, under the model's default placement and
     under the driver's first-fit one; with first-fit the 98 segments lie in the GPU's address order, block for
-    block."""
+    block. The first run computes values (``--sim-values on``), the second does not: the allocation sequence is
+    the same."""
     shared_snapshot("wedson_medium_128_inference")  # skips, naming the path, before any run when it is missing
     reserve = context_reserve_of_the_recordings_gpu()
     assert reserve == 188 * 2**20
@@ -109,7 +113,7 @@ def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_pa
         snap = tmp_path / f"inference-{k}.pickle"
         capture(tmp_path / str(k), "cs336_memory_profile.py", "--mode", "inference", "--context-length", "128",
                 "--out", str(snap), id="cs336-inference",
-                env={ENV_SEGMENT_PLACEMENT: placement} if placement else None)
+                env={ENV_SEGMENT_PLACEMENT: placement} if placement else None, values="on" if k == 0 else "off")
         runs.append(_compare(snap, "wedson_medium_128_inference"))
     for c in runs:
         rec, cap = c["recorded"], c["captured"]
@@ -184,7 +188,8 @@ def test_memory_efficient_attention_keeps_output_and_logsumexp_not_the_score_mat
     figures = {}
     for backend in ("math", "efficient"):
         result = run_command([str(COMMANDS / "cuda_sdpa.py")], f"sdpa-{backend}", device="cuda-sim",
-                             work_dir=tmp_path / backend, timeout=900, env={"RLHFMEM_SIM_CUDA_SDPA": backend})
+                             sim_values="off", work_dir=tmp_path / backend, timeout=900,
+                             env={"RLHFMEM_SIM_CUDA_SDPA": backend})
         assert result["status"] == "ok", result.get("failure")
         assert result["capture_description"]["simulated_cuda_device"]["scaled_dot_product_attention"] == backend
         figures[backend] = printed_figures(result)

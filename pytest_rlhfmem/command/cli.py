@@ -14,7 +14,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
         usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-sim] [--json OUT] "
-              "[--sdpa math|efficient] [--segment-placement SPEC] [--snapshot-dir DIR] [--timeout S] [--id ID] "
+              "[--sdpa math|efficient] [--sim-values on|off] [--segment-placement SPEC] [--snapshot-dir DIR] "
+              "[--timeout S] [--id ID] "
               "[--cuda-emulation on|off] [--time-rounds N] "
               "[--keep-work] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
@@ -29,6 +30,11 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --device cuda-sim: the kernel scaled_dot_product_attention runs (a GPU picks by dtype, "
                         "head size, mask and architecture): math (the score matrix; default) or efficient "
                         "(memory-efficient attention: output and logsumexp only)")
+    c.add_argument("--sim-values", default=None, choices=("on", "off"),
+                   help="with --device cuda-sim: whether the simulated device computes values (default on: each op "
+                        "also runs its CPU kernel on host memory, so generation loops, masks and .item() follow the "
+                        "program; costs its device memory in host memory and its compute on the CPU); off: shapes "
+                        "and sizes only, for value-independent programs at a scale the host cannot compute")
     c.add_argument("--segment-placement", default=None, metavar="SPEC",
                    help="with --device cuda-sim: where the driver maps each cudaMalloc in the replays: above-last "
                         "(default: each new segment above the previous one), first-fit, or first-fit:SIZE (the "
@@ -68,6 +74,9 @@ def _capture(args: argparse.Namespace) -> int:
         raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, "
                        f"got --device {args.device}")
     env = {ENV_SDPA: args.sdpa} if args.sdpa else {}
+    if args.sim_values is not None and args.device != "cuda-sim":
+        raise CliError(f"--sim-values chooses whether the simulated CUDA device computes values: it needs --device "
+                       f"cuda-sim, got --device {args.device}")
     if args.segment_placement is not None and args.device != "cuda-sim":
         raise CliError("--segment-placement places the simulated CUDA device's segments: it needs --device "
                        f"cuda-sim, got --device {args.device}")
@@ -85,7 +94,7 @@ def _capture(args: argparse.Namespace) -> int:
     def once(snapshot_dir: str | None) -> dict:
         return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                            device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
-                           cuda_emulation=args.cuda_emulation, env=env or None)
+                           cuda_emulation=args.cuda_emulation, env=env or None, sim_values=args.sim_values)
 
     try:
         result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)

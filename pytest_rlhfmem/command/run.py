@@ -23,6 +23,7 @@ from ..record.recorder import history_settings
 from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, resolve_device,
                            run_process_group)
 from ..rlhf.scenario import ScenarioError
+from ..simcuda.library import ENV_VALUES, values_mode
 from . import rank as R
 
 BOOTSTRAP_DIR = Path(__file__).with_name("bootstrap")
@@ -163,49 +164,43 @@ SIM_DEVICE = "cuda-sim"  # a CUDA script, unchanged, on the simulated CUDA devic
 
 @functools.lru_cache(maxsize=1)
 def sim_cuda_library() -> str:
-    """Build the simulated CUDA device's library once (under a file lock; cached) and return its path.
-    Raises :class:`CommandError` (one line) when it cannot be built here."""
-    from filelock import FileLock
-
+    """Build the simulated CUDA device's library once (``cbuild.py``: cached, under its file lock) and return its
+    path. Raises :class:`CommandError` (one line) when it cannot be built here."""
     from ..simcuda.build import SIM_SOURCE, FakeCudaUnavailable, library_path
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / "sim-cuda.lock")):
-        try:
-            return str(library_path(SIM_SOURCE))
-        except FakeCudaUnavailable as exc:
-            raise CommandError(f"--device cuda-sim: {exc}") from None
+    try:
+        return str(library_path(SIM_SOURCE))
+    except FakeCudaUnavailable as exc:
+        raise CommandError(f"--device cuda-sim: {exc}") from None
 
 
 @functools.lru_cache(maxsize=1)
 def recorder_library() -> str | None:
-    """Build the CPU allocation recorder once (under a file lock; cached in torch's extension directory)
-    and return its shared library's path, or ``None`` where it cannot be built (the ranks then fall back
-    to torch.profiler, and their results say so). Loads torch in this process, once per process."""
-    from filelock import FileLock
-
+    """Build the CPU allocation recorder once (``cbuild.py``: cached, under its file lock) and return its shared
+    library's path, or ``None`` where it cannot be built (the ranks then fall back to torch.profiler, and their
+    results say so). Loads torch in this process, once per process."""
     from ..record.cpu_recorder import load_recorder
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pytest-rlhfmem"
-    cache.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache / "cpu-recorder.lock")):  # not DeepSpeed's op lock: nothing else to wait for
-        try:
-            return load_recorder().__file__
-        except RuntimeError:
-            return None
+    try:
+        return load_recorder().__file__
+    except RuntimeError:
+        return None
 
 
 def run_command(command: Sequence[str] | str, id: str, world_size: int | None = None,  # noqa: A002
                 nproc_per_node: int | None = None, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
-                env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on") -> dict:
+                env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on",
+                sim_values: str | None = None) -> dict:
     """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
     ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
 
     A crash, OOM or hang of any rank is a result with ``status`` ``failed`` and its rank, phase and
     memory so far (never an exception). ``env`` adds to this process's environment. ``cuda_emulation``
-    (``on``/``off``) is the CPU capture's CUDA emulation (``record/emulation.py``), as for the recipes. Raises
+    (``on``/``off``) is the CPU capture's CUDA emulation (``record/emulation.py``), as for the recipes.
+    ``sim_values`` (``on``/``off``; ``device="cuda-sim"`` only): whether the simulated device computes values
+    (``simcuda/library.py: values_mode``); default ``on`` unless ``env`` or this environment sets
+    ``$RLHFMEM_SIM_CUDA_VALUES``: a program's own control flow (stopping criteria, masks) needs values. Raises
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
     command that ended before any rank imported torch, or one whose ranks allocated no device memory
     (with a non-zero exit status: "exited with code N before its first allocation"; nothing was measured).
@@ -225,11 +220,20 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
             raise CommandError(str(exc)) from None
     if cuda_emulation not in ("on", "off"):
         raise CommandError(f"cuda_emulation {cuda_emulation!r}: allowed values are on, off")
+    extra = {**(env or {}), R.ENV_CUDA_EMULATION: cuda_emulation}
+    if device == SIM_DEVICE:
+        values = sim_values or extra.get(ENV_VALUES) or os.environ.get(ENV_VALUES) or "on"
+        try:
+            extra[ENV_VALUES] = values_mode(values)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+    elif sim_values is not None:
+        raise CommandError(f"sim_values {sim_values!r} chooses whether the simulated CUDA device computes values: "
+                           f"it needs device cuda-sim, got {device}")
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir,
-                       {**(env or {}), R.ENV_CUDA_EMULATION: cuda_emulation}, cwd)
+        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd)
     except CommandError:
         if not work_dir:  # nothing was measured; the message quotes the command's last output line
             shutil.rmtree(work, ignore_errors=True)

@@ -7,7 +7,8 @@ Modules, top down:
 
 - ``rank.py``: one rank's capture (``RankCapture``): recording started before the first model, phases, the host
   meter, the failure of a rank (its phase and memory so far), the rank's result file;
-- ``api.py``: the phase-mark API a user's program calls (``rlhfmem.phase``, ``flush_point``, ``host_resident``, ``deepspeed_offload``);
+- ``api.py``: the phase-mark API a user's program calls (``rlhfmem.phase``, ``flush_point``, ``host_resident``,
+  ``deepspeed_offload``);
 - ``recorder.py``: the per-rank ``Recorder`` (CUDA memory history on a GPU; the CPU recorder or the simulated
   device's log elsewhere), phases and flushes as trace events;
 - ``cpu_recorder.py`` + ``csrc/cpu_alloc_recorder.cpp``: every CPU allocation and free, all threads;

@@ -21,6 +21,8 @@ import time
 from ..memory.driver_va import ABOVE_LAST, SegmentPlacement
 
 ENV_LIBRARY = "RLHFMEM_SIM_CUDA_LIBRARY"  # the built library's path, set by the launcher for every rank
+ENV_VALUES = "RLHFMEM_SIM_CUDA_VALUES"  # "on": the device computes values (VALUES_MODES; unset: off)
+VALUES_MODES = ("on", "off")
 ENV_SDPA = "RLHFMEM_SIM_CUDA_SDPA"  # scaled_dot_product_attention's backend on the device (SDPA_BACKENDS)
 # SDPBackend's values (torch/nn/attention/__init__.py); a GPU picks by dtype, head size, mask and architecture
 # (sdp_utils.cpp), the simulated device by this setting: math unless set.
@@ -80,13 +82,63 @@ def sdpa_backend(name: str | None = None) -> str:
     return name
 
 
+def values_mode(name: str | None = None) -> str:
+    """Whether the device computes values: ``name``, else ``$RLHFMEM_SIM_CUDA_VALUES``, else ``off`` (the library's
+    default; ``rlhfmem capture --device cuda-sim`` and the fixtures turn it on: ``command/run.py``). Raises
+    ``ValueError`` naming the allowed values.
+
+    - ``on``: every device allocation is real host memory at its device address and every op also runs its CPU
+      kernel on it (``sim_cuda.cpp``: "values mode"), so control flow that reads device values (a generation
+      loop's stopping criteria, ``.item()``, boolean masks, ``nonzero``, sampling) follows the program; the
+      allocation sequence is the value-free one. Costs the program's device memory in host memory, and its
+      compute on the CPU.
+    - ``off``: addresses and sizes only (the study's scale: OPT-1.3b on four ranks on a laptop); a value read
+      gets a fixed answer by dtype (counted, its call site named), and an op whose output shape depends on
+      values is refused."""
+    name = name or os.environ.get(ENV_VALUES) or "off"
+    if name not in VALUES_MODES:
+        raise ValueError(f"simulated CUDA device values {name!r} (${ENV_VALUES}): allowed values are "
+                         f"{', '.join(VALUES_MODES)}")
+    return name
+
+
 def load_before_torch(path: str) -> None:
     """Load the built library at ``path`` (and torch's libc10/libtorch_cpu it links) into this process,
-    before torch is imported; sets ``$RLHFMEM_SIM_CUDA_LIBRARY`` for :func:`library`."""
+    before torch is imported, with values on where :func:`values_mode` says so; sets
+    ``$RLHFMEM_SIM_CUDA_LIBRARY`` for :func:`library`. Raises ``ValueError`` for a bad ``$RLHFMEM_SIM_CUDA_VALUES``
+    and :class:`SimCudaUnavailable` when values cannot be switched on (the address range cannot be reserved)."""
     from .build import load_built
 
+    mode = values_mode()
     load_built(path)
     os.environ[ENV_LIBRARY] = path
+    if mode == "on":
+        lib = ctypes.CDLL(path)
+        lib.rlhfmem_sim_cuda_set_values.restype = ctypes.c_int64
+        status = lib.rlhfmem_sim_cuda_set_values(1)
+        if status != 0:
+            raise SimCudaUnavailable("the simulated CUDA device cannot compute values here: "
+                                     + ("a device allocation exists already" if status == -1 else
+                                        "its 16 TiB device address range cannot be reserved (mmap)")
+                                     + f"; run with ${ENV_VALUES}=off")
+
+
+def values_on(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the loaded device computes values (``lib``: :func:`library`'s, by default)."""
+    lib = lib or library()
+    lib.rlhfmem_sim_cuda_values.restype = ctypes.c_int64
+    return bool(lib.rlhfmem_sim_cuda_values())
+
+
+def values_not_computed(lib: ctypes.CDLL) -> dict[str, int]:
+    """With values on: the ops whose outputs got no values because they have no CPU kernel (GPU-only kernels:
+    memory-efficient attention, ...), ``{"aten::op.overload": calls}``; their outputs hold zeros."""
+    lib.rlhfmem_sim_cuda_values_skipped.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_values_skipped.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = lib.rlhfmem_sim_cuda_values_skipped(buf, len(buf))
+    pairs = (line.rsplit("=", 1) for line in buf.raw[:n].decode().splitlines())
+    return {name: int(count) for name, count in pairs}
 
 
 def drop_python_gpu_kernels() -> list[str]:
@@ -276,9 +328,12 @@ class SimCudaRows:
         """The capture description: what the device adds and answers (results and budgets carry it)."""
         answers = {k: self.lib.rlhfmem_sim_cuda_scalar_answers(i) for i, k in enumerate(SCALAR_KINDS)}
         placement = self.segment_placement  # the default is not named: earlier budgets stay comparable
+        values = values_on(self.lib)  # named only when on: value-free budgets stay comparable
         return {**({"segment_placement": placement.spec()} if placement.kind != ABOVE_LAST else {}),
                 "simulated_cuda_device": {
-            "kernels": "meta (outputs' shapes, strides and dtypes; no values)",
+            "kernels": ("meta (outputs' shapes, strides and dtypes), values by the CPU kernels on host memory"
+                        if values else "meta (outputs' shapes, strides and dtypes; no values)"),
+            **({"values": "on", "values_not_computed": values_not_computed(self.lib)} if values else {}),
             "scaled_dot_product_attention": self.sdpa,
             "record_stream": record_stream_mode(),
             "record_stream_delayed_frees": self.delayed_frees,

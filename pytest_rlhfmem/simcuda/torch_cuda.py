@@ -202,7 +202,7 @@ def install(get_rec: Any) -> list[str]:
     Returns the names replaced (recorded in the result)."""
     import torch
 
-    from .library import ENV_RECORD_STREAM, drop_python_gpu_kernels, library, record_stream_mode
+    from .library import ENV_RECORD_STREAM, drop_python_gpu_kernels, library, record_stream_mode, values_on
 
     if record_stream_mode() != "immediate":  # its stand-ins log no host waits: delays would never end
         raise ValueError(f"${ENV_RECORD_STREAM}={record_stream_mode()}: modelled on the fake-CUDA route only "
@@ -257,8 +257,9 @@ def install(get_rec: Any) -> list[str]:
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         setattr(cuda.nvtx, name, noop_fn())
     names.append("nvtx")
-    SCALAR_SITES.install(torch)
-    names.append("Tensor.item/__bool__/__int__/__float__/tolist: call sites counted")
+    if not values_on(lib):  # with values on, every read gets the program's own value: nothing to name
+        SCALAR_SITES.install(torch)
+        names.append("Tensor.item/__bool__/__int__/__float__/tolist: call sites counted")
     dropped = drop_python_gpu_kernels()  # a CUDA build's only
     if dropped:
         names.append(f"torch._native CUDA kernels removed ({', '.join(dropped)}): the device's kernels run instead")

@@ -32,8 +32,13 @@
 
 #include "cuda_hooks.h"  // the CUDA hooks and guard, shared with fake_cuda.cpp
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -77,11 +82,27 @@ struct Block {
   uint64_t addr;
   int64_t size;
   int64_t stream;
+  int64_t span;  // bytes of address space the block takes (values mode: whole pages, released at its free)
 };
+
+// ---- values mode ---------------------------------------------------------------------------------------
+// Off (the default of the library; Python turns it on for a user's program: simcuda/library.py), a device
+// allocation is an address and a size: no memory, no values. On, every device allocation is real host memory at
+// its device address, inside one reserved address range (mmap, MAP_NORESERVE: pages exist once written), so a
+// tensor's data_ptr() is both the address the log names and where its values are. Each op then also computes its
+// values with the CPU kernel on host views of the same memory (cuda_via_meta: after the meta kernel made the
+// outputs, so the allocation sequence is the value-free one), copies move bytes, and `.item()` reads them:
+// control flow that depends on values (stopping criteria, masks, sampling) follows the program. A block takes
+// whole pages, returned to the OS at its free (madvise MADV_DONTNEED), so host memory follows the live tensors.
+std::atomic<bool> g_values{false};
+constexpr uint64_t kValuesRange = uint64_t(16) << 40;  // 16 TiB of device addresses per process, never reused
+constexpr uint64_t kPage = 4096;
+uint64_t g_values_base = 0;
 
 void sim_delete(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
   log_event(2, b->addr, b->size, b->stream);
+  if (b->span > 0) madvise(reinterpret_cast<void*>(b->addr), static_cast<size_t>(b->span), MADV_DONTNEED);
   delete b;
 }
 
@@ -91,13 +112,25 @@ struct SimCudaAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::Device dev(c10::DeviceType::CUDA, 0);
     if (n == 0) return {nullptr, nullptr, &noop_delete, dev};  // as the caching allocator: no block
-    uint64_t addr = g_next_addr.fetch_add((n + 1023) / 512 * 512);  // unique; never dereferenced
-    auto* b = new Block{addr, static_cast<int64_t>(n), t_stream};
+    int64_t span = 0;
+    uint64_t addr;
+    if (g_values.load(std::memory_order_relaxed)) {
+      span = static_cast<int64_t>((n + kPage - 1) / kPage * kPage);
+      addr = g_next_addr.fetch_add(static_cast<uint64_t>(span));
+      TORCH_CHECK(addr + span <= g_values_base + kValuesRange, "rlhfmem simulated CUDA device (values on): its ",
+                  kValuesRange >> 40, " TiB of device addresses are used up (addresses are not reused); run with "
+                  "values off (--sim-values off) if the program's control flow does not read device values");
+    } else {
+      addr = g_next_addr.fetch_add((n + 1023) / 512 * 512);  // unique; never dereferenced
+    }
+    auto* b = new Block{addr, static_cast<int64_t>(n), t_stream, span};
     log_event(1, addr, b->size, b->stream);
     return {reinterpret_cast<void*>(addr), b, &sim_delete, dev};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
-  void copy_data(void*, const void*, std::size_t) const override {}
+  void copy_data(void* dst, const void* src, std::size_t n) const override {
+    if (g_values.load(std::memory_order_relaxed)) std::memcpy(dst, src, n);
+  }
 };
 
 SimCudaAllocator g_allocator;
@@ -307,6 +340,7 @@ struct Mapping {
   std::unordered_map<c10::StorageImpl*, c10::Storage> to_meta;     // CUDA storage -> its meta stand-in
   std::unordered_map<c10::StorageImpl*, DeviceStorage> to_cuda;    // meta storage -> CUDA storage
   std::vector<std::pair<at::Tensor, at::Tensor>> args;             // (cuda input, its meta alias)
+  std::unordered_set<c10::StorageImpl*> fresh;                     // CUDA storages the op's outputs got new
 };
 
 // A tensor over `storage` with `like`'s sizes, strides and offset. A view keeps its base's dispatch keys
@@ -366,6 +400,7 @@ at::Tensor from_meta_tensor(const at::Tensor& out, Mapping& m) {
   auto it = m.to_cuda.find(msi);
   if (it == m.to_cuda.end()) {  // a new output: the device allocation a CUDA kernel makes
     c10::Storage cs(c10::Storage::use_byte_size_t(), out.storage().nbytes(), &g_allocator, /*resizable=*/true);
+    m.fresh.insert(cs.unsafeGetStorageImpl());
     it = m.to_cuda.emplace(msi, DeviceStorage{cs, std::nullopt}).first;
   }
   const DeviceStorage& ds = it->second;
@@ -399,6 +434,107 @@ void sync_mutated(Mapping& m) {
   }
 }
 
+// ---- values mode: the CPU kernel on host views of the device memory ------------------------------------
+// A host tensor over `t`'s device memory (values mode: the memory exists at the device address): same dtype,
+// sizes, strides and offset; it never frees the memory.
+at::Tensor host_view(const at::Tensor& t) {
+  c10::Storage s(c10::Storage::use_byte_size_t(), t.storage().nbytes(),
+                 c10::DataPtr(t.storage().data_ptr().get(), c10::Device(c10::DeviceType::CPU)), nullptr, false);
+  return with_geometry(std::move(s), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype(), t);
+}
+
+struct HostArgs {
+  std::vector<std::pair<c10::TensorImpl*, at::Tensor>> views;  // (host view, the device tensor it shows)
+};
+
+c10::IValue to_host(const c10::IValue& v, HostArgs& h) {
+  auto view = [&h](const at::Tensor& t) {
+    if (!is_cuda(t)) return t;
+    at::Tensor hv = host_view(t);
+    h.views.emplace_back(hv.unsafeGetTensorImpl(), t);
+    return hv;
+  };
+  if (v.isTensor()) return view(v.toTensor());
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(view(t));
+    return out;
+  }
+  if (v.isList()) {
+    auto in = v.toList();
+    c10::impl::GenericList out(in.elementType());
+    for (const c10::IValue& e : in) out.push_back(to_host(e, h));
+    return out;
+  }
+  if (v.isDevice() && v.toDevice().is_cuda()) return c10::IValue(c10::Device(c10::DeviceType::CPU));
+  return v;
+}
+
+// Ops with no CPU kernel (the GPU-only kernels: memory-efficient and flash attention, fused optimizers of some
+// builds): their outputs keep no values (zeros: fresh pages), counted by op name for the capture's description.
+std::mutex g_skipped_mu;
+std::map<std::string, int64_t> g_values_skipped;
+
+bool has_cpu_kernel(const c10::OperatorHandle& op) {
+  using c10::DispatchKey;
+  for (DispatchKey k : {DispatchKey::CPU, DispatchKey::CompositeExplicitAutograd,
+                        DispatchKey::CompositeExplicitAutogradNonFunctional, DispatchKey::CompositeImplicitAutograd})
+    if (op.hasKernelForDispatchKey(k)) return true;
+  return false;
+}
+
+// Run `op`'s CPU kernel on host views of `args` (the device arguments as called, after the meta kernel resized
+// any); returns its outputs, none for an op without a CPU kernel (counted). The CPU kernel writes in-place and
+// out= results straight into the device memory; its own errors are the program's (an index out of range
+// raises here as a device-side assert does on a GPU).
+torch::jit::Stack host_run(const c10::OperatorHandle& op, const std::vector<c10::IValue>& args, HostArgs& h) {
+  torch::jit::Stack host;
+  if (!has_cpu_kernel(op)) {
+    std::lock_guard<std::mutex> g(g_skipped_mu);
+    g_values_skipped[c10::toString(op.schema().operator_name())]++;
+    return host;
+  }
+  host.reserve(args.size());
+  for (const c10::IValue& a : args) host.push_back(to_host(a, h));
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &host);
+  return host;
+}
+
+// A new output's values: the CPU kernel's output copied into the device output the meta kernel made.
+void fill_fresh(const c10::IValue& out, const c10::IValue& val, const Mapping& m) {
+  if (out.isTensor() && val.isTensor()) {
+    const at::Tensor& o = out.toTensor();
+    if (is_cuda(o) && m.fresh.count(o.storage().unsafeGetStorageImpl())) host_view(o).copy_(val.toTensor());
+  } else if (out.isTensorList() && val.isTensorList()) {
+    auto os = out.toTensorList();
+    auto vs = val.toTensorList();
+    for (size_t i = 0; i < os.size() && i < vs.size(); ++i) fill_fresh(c10::IValue(os.get(i)), c10::IValue(vs.get(i)), m);
+  }
+}
+
+// An op whose output shapes depend on values (nonzero, masked_select, a boolean mask's index, unique ...): the
+// CPU kernel runs first, and each output that is not an argument becomes a new device allocation of its
+// (contiguous) size, holding its values. The GPU kernel's own temporaries for such ops are not modelled.
+c10::IValue to_device_output(const c10::IValue& v, const HostArgs& h) {
+  if (v.isTensor()) {
+    const at::Tensor& r = v.toTensor();
+    if (!r.defined() || !r.device().is_cpu()) return v;
+    for (const auto& [impl, cuda] : h.views)
+      if (impl == r.unsafeGetTensorImpl()) return cuda;  // in-place and out= ops return their argument
+    at::Tensor c = r.contiguous();
+    c10::Storage cs(c10::Storage::use_byte_size_t(), c.nbytes(), &g_allocator, /*resizable=*/true);
+    at::Tensor out = with_geometry(cs, cuda_keys(), c.dtype(), c);
+    if (c.nbytes() > 0) std::memcpy(cs.data_ptr().get(), c.data_ptr(), c.nbytes());
+    return out;
+  }
+  if (v.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(to_device_output(c10::IValue(t), h).toTensor());
+    return out;
+  }
+  return v;
+}
+
 // Returns a CUDA kernel makes on the host: the fused attention kernels' philox seed and offset (attention.cu:
 // at::empty({}, at::dtype(at::kLong)) unless a CUDA graph is being captured); their meta kernels say "meta".
 const std::unordered_set<std::string> kHostReturns = {"philox_seed", "philox_offset"};
@@ -406,18 +542,28 @@ const std::unordered_set<std::string> kHostReturns = {"philox_seed", "philox_off
 void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto n_args = schema.arguments().size();
+  const size_t base = stack->size() - n_args;
   std::vector<c10::IValue> args(stack->end() - n_args, stack->end());  // the CUDA arguments, as called
+  const bool values = g_values.load(std::memory_order_relaxed);
   Mapping m;
-  for (size_t i = stack->size() - n_args; i < stack->size(); ++i) (*stack)[i] = to_meta((*stack)[i], m);
+  for (size_t i = base; i < stack->size(); ++i) (*stack)[i] = to_meta((*stack)[i], m);
   if (kCublasOps.count(schema.name())) cublas_workspace();  // before the output: what the recordings show
   c10::DataPtr before_outputs = pre_op_temporaries(schema, args);  // freed after the kernel's own temporaries
   try {
     op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), stack);
   } catch (const std::exception& e) {  // no meta kernel, or an output shape that depends on values
     std::string what = e.what();
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "rlhfmem simulated CUDA device: ", schema.operator_name(),
+    TORCH_CHECK_NOT_IMPLEMENTED(values, "rlhfmem simulated CUDA device: ", schema.operator_name(),
                                 " cannot run without values (its meta kernel: ", what.substr(0, what.find('\n')),
-                                "); a GPU run of this op is not simulated");
+                                "); run with values on (--sim-values on) to compute them");
+    stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+    TORCH_CHECK_NOT_IMPLEMENTED(has_cpu_kernel(op), "rlhfmem simulated CUDA device (values on): ",
+                                schema.operator_name(), " has neither a meta kernel that runs without values (",
+                                what.substr(0, what.find('\n')), ") nor a CPU kernel to compute them");
+    HostArgs h;
+    for (c10::IValue& r : host_run(op, args, h)) stack->push_back(to_device_output(r, h));
+    kernel_temporaries(schema, args);
+    return;
   }
   const auto n_out = schema.returns().size();
   const size_t first_out = stack->size() - n_out;
@@ -430,13 +576,22 @@ void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
     }
   }
   sync_mutated(m);
+  if (values) {
+    HostArgs h;
+    torch::jit::Stack host = host_run(op, args, h);
+    for (size_t i = 0; i < n_out && i < host.size(); ++i) {
+      if (kHostReturns.count(schema.returns()[i].name())) (*stack)[first_out + i] = host[i];
+      else fill_fresh((*stack)[first_out + i], host[i], m);
+    }
+  }
   kernel_temporaries(schema, args);
 }
 
-// .item() on a device tensor: no value exists. The answers let control flow take the normal path:
-// false for bool (no overflow found), 1 for floats (a finite norm / loss), 2**62 for integers (an end
-// index that Python slicing clamps).
+// .item() on a device tensor. Values on: the value in the device memory. Off, no value exists, and the answers let
+// control flow take the normal path: false for bool (no overflow found), 1 for floats (a finite norm / loss),
+// 2**62 for integers (an end index that Python slicing clamps); each counted by dtype.
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  if (g_values.load(std::memory_order_relaxed)) return host_view(self).item();
   auto st = self.scalar_type();
   if (st == at::kBool) { g_scalar_answers[0]++; return at::Scalar(false); }
   if (at::isIntegralType(st, /*includeBool=*/false)) {
@@ -448,7 +603,14 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::Scalar(1.0);
 }
 
-at::Tensor& copy_(at::Tensor& self, const at::Tensor&, bool) { return self; }  // values are not modelled
+// A copy into, out of or within the device: the bytes move with values on (host views of the device memory;
+// conversions and broadcasting as the CPU's copy_ does them), nothing happens with values off.
+at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
+  if (!g_values.load(std::memory_order_relaxed)) return self;
+  at::Tensor dst = is_cuda(self) ? host_view(self) : self;
+  dst.copy_(is_cuda(src) ? host_view(src) : src);
+  return self;
+}
 
 // scaled_dot_product_attention's backend: on a GPU, _fused_sdp_choice_cuda (aten/src/ATen/native/transformers/
 // cuda/sdp_utils.cpp) picks by dtype, head size, mask and architecture; here the choice is a setting (SDPBackend's
@@ -527,6 +689,36 @@ struct RegisterAllocator {
 // ---- read by Python through ctypes ---------------------------------------------------------------------
 extern "C" {
 int rlhfmem_sim_cuda_loaded() { return 1; }
+// Values mode on (see "values mode"): before the first device allocation only. Returns 0, -1 when a device
+// allocation exists already, -2 when the address range cannot be reserved (errno's mmap failure).
+int64_t rlhfmem_sim_cuda_set_values(int on) {
+  if (!on) return g_values.load() ? -1 : 0;
+  if (g_values.load()) return 0;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    if (!g_events.empty()) return -1;
+  }
+  void* p = mmap(nullptr, kValuesRange, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return -2;
+  g_values_base = reinterpret_cast<uint64_t>(p);
+  g_next_addr = g_values_base;
+  g_values = true;
+  return 0;
+}
+int64_t rlhfmem_sim_cuda_values() { return g_values.load() ? 1 : 0; }
+// The ops whose values were not computed (no CPU kernel), as "name=count" lines into buf (up to cap bytes, cut
+// at a line); returns the bytes written.
+int64_t rlhfmem_sim_cuda_values_skipped(char* buf, int64_t cap) {
+  std::lock_guard<std::mutex> g(g_skipped_mu);
+  std::string out;
+  for (const auto& [name, n] : g_values_skipped) {
+    std::string line = name + "=" + std::to_string(n) + "\n";
+    if (static_cast<int64_t>(out.size() + line.size()) > cap) break;
+    out += line;
+  }
+  std::memcpy(buf, out.data(), out.size());
+  return static_cast<int64_t>(out.size());
+}
 // Before a CUDA build's libtorch_cuda is loaded: remember which ops have a CUDA kernel (what a CPU build has).
 int64_t rlhfmem_sim_cuda_note_cpu_kernels() {
   auto& d = c10::Dispatcher::singleton();

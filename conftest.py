@@ -13,6 +13,7 @@ Only this file is named ``conftest.py`` above ``tests/`` and ``suites/`` (which 
 helpers live in the package module ``pytest_rlhfmem.matrix``, never imported from a conftest by name.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,18 @@ import pytest
 from pytest_rlhfmem.matrix import load_matrix, run_benchmarked
 
 MATRICES = Path(__file__).parent / "suites" / "matrices.yaml"
+
+
+def _share_the_library_cache() -> None:
+    """pytester gives every inner session a fresh HOME: pin the project's C++ library cache (``cbuild.py``: replay
+    core, snapshot reader, CPU recorder, simulated device; ``~/.cache`` unless ``$RLHFMEM_CACHE_DIR`` names one) to
+    this session's, so that no inner session builds them again (the CPU recorder alone takes ~17 s)."""
+    from pytest_rlhfmem.cbuild import ENV_CACHE_DIR, cache_dir
+
+    os.environ.setdefault(ENV_CACHE_DIR, str(cache_dir()))
+
+
+_share_the_library_cache()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,8 +12,9 @@ See :mod:`pytest_rlhfmem.record.api`.
 """
 
 from .record.api import (
-    NULL_PHASE, active, deepspeed_offload, flush_point, host_resident, moved_to_device, moved_to_host, phase,
+    NULL_PHASE, active, begin_phase, deepspeed_offload, end_phase, flush_point, host_resident, moved_to_device,
+    moved_to_host, phase,
 )
 
-__all__ = ["NULL_PHASE", "active", "deepspeed_offload", "flush_point", "host_resident", "moved_to_device",
-           "moved_to_host", "phase"]
+__all__ = ["NULL_PHASE", "active", "begin_phase", "deepspeed_offload", "end_phase", "flush_point", "host_resident",
+           "moved_to_device", "moved_to_host", "phase"]

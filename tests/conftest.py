@@ -21,16 +21,6 @@ def _share_the_extension_cache() -> None:
 _share_the_extension_cache()
 
 
-def _share_the_library_cache() -> None:
-    """The same for the project's own C++ libraries (``cbuild.py``: replay core, snapshot reader, CPU recorder,
-    simulated device), cached under ``~/.cache`` unless ``$RLHFMEM_CACHE_DIR`` pins the directory."""
-    from pytest_rlhfmem.cbuild import ENV_CACHE_DIR, cache_dir
-
-    os.environ.setdefault(ENV_CACHE_DIR, str(cache_dir()))
-
-
-_share_the_library_cache()
-
 
 @pytest.fixture(params=SNAPSHOT_NAMES)
 def snapshot_path(request) -> Path:

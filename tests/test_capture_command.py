@@ -12,6 +12,7 @@ import pytest
 import yaml
 from helpers import DATA
 
+from pytest_rlhfmem.command.run import run_command
 from pytest_rlhfmem.record.rank import merge_windows
 
 pytest_plugins = ["pytester"]
@@ -332,3 +333,12 @@ def test_opts(rlhfmem_command):
 """)
     r = pytester.runpytest_subprocess("--rlhfmem-cuda-emulation=off", "--rlhfmem-time-rounds=2")
     r.assert_outcomes(passed=1)
+
+
+def test_a_program_that_looks_torch_up_before_importing_it_is_still_captured(tmp_path):
+    """The bootstrap waits for torch to execute, not for the first lookup of its spec: a program (transformers)
+    that calls ``importlib.util.find_spec("torch")`` first was reported as never importing torch."""
+    result = run_command([str(COMMANDS / "find_spec_first.py")], "find-spec-first", device="cpu",
+                         work_dir=tmp_path / "work")
+    assert result["status"] == "ok", result.get("failure")
+    assert result["metrics"]["peak_allocated"] >= 3 * 256 * 256 * 4  # x, x @ x and x's gradient

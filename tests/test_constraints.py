@@ -59,7 +59,7 @@ EXPECTED = {"py": "deepspeed.txt", "suite": "deepspeed.txt", "methods-mid": "dee
             "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "study-sensitivity": "deepspeed.txt",
             "gpu1-sim": "deepspeed.txt", "gpu-suite": "deepspeed.txt",
             "colossalai": "colossalai.txt", "colossalai-suite": "colossalai.txt", "lint": "lint.txt",
-            "latest": None}
+            "trl": "trl.txt", "latest": None}
 
 
 def test_readme_table_names_every_environment_with_its_file():

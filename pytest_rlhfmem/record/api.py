@@ -4,6 +4,9 @@
 
     with rlhfmem.phase("generate"):          # a phase of the per-phase table
         sequences = actor.generate(prompts)
+    rlhfmem.begin_phase("optimizer_step")    # the same, in two calls (a framework's callbacks)
+    optimizer.step()
+    rlhfmem.end_phase("optimizer_step")
     rlhfmem.flush_point("after-generate")    # "the device cache is emptied here"
     rlhfmem.deepspeed_offload(engine)        # DeepSpeed offload: host-resident state leaves the device trace
 
@@ -69,6 +72,35 @@ def phase(name: str) -> Any:
         return NULL_PHASE
     _check_name(name, "phase")
     return rec.phase(name)
+
+
+_opened: list[tuple[str, Any]] = []  # phases opened by begin_phase, innermost last: (name, its context)
+
+
+def begin_phase(name: str) -> None:
+    """Open the phase ``name`` now and keep it open until :func:`end_phase` (the begin/end form of
+    :func:`phase`, for code that is told where a phase starts and ends in two calls: a training framework's
+    callbacks, ``on_pre_optimizer_step`` / ``on_optimizer_step``). Phases so opened nest like ``with`` blocks.
+    No-op without a capture; raises like :func:`phase`."""
+    rec = _active
+    if rec is None:
+        return
+    _check_name(name, "begin_phase")
+    context = rec.phase(name)
+    context.__enter__()
+    _opened.append((name, context))
+
+
+def end_phase(name: str) -> None:
+    """Close the phase ``name`` that :func:`begin_phase` opened. Raises ``ValueError`` when ``name`` is not the
+    innermost phase that :func:`begin_phase` left open (phases close in the reverse order of their opening).
+    No-op without a capture."""
+    if _active is None:
+        return
+    if not _opened or _opened[-1][0] != name:
+        innermost = repr(_opened[-1][0]) if _opened else "none"
+        raise ValueError(f"rlhfmem.end_phase({name!r}): the innermost phase begin_phase opened is {innermost}")
+    _opened.pop()[1].__exit__(None, None, None)
 
 
 def flush_point(name: str) -> None:

@@ -36,19 +36,32 @@ def _chain_to_shadowed_sitecustomize() -> None:
 
 
 class _StartOnTorchImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps torch's loader so the capture starts when ``torch`` is executed."""
+    """Finds nothing itself: wraps torch's loader so the capture starts when ``torch`` is executed.
+
+    It stays on ``sys.meta_path`` until torch executes: a library may ask for torch's spec without importing it
+    (``importlib.util.find_spec("torch")``, as transformers does to see what is installed), and the import that
+    follows gets a spec of its own."""
+
+    def __init__(self) -> None:
+        self._finding = False
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201
-        if fullname != "torch":
+        if fullname != "torch" or self._finding:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
+        self._finding = True  # the lookup below passes through sys.meta_path, this finder included
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            self._finding = False
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
+        finder = self
 
         def exec_then_capture(module) -> None:  # noqa: ANN001
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
             library = os.environ.get("RLHFMEM_SIM_CUDA_LIBRARY")
             if os.environ.get("RLHFMEM_CAPTURE_DEVICE") == "cuda-sim" and library:
                 # the simulated CUDA device registers its hooks, kernels and allocator before torch starts

@@ -1,31 +1,84 @@
-"""What ``pip install`` of the project carries: every file of the package, not only the Python modules.
+"""What ``pip install`` of the project carries: every file of the package, not only the Python modules, and a wheel
+installed into a fresh virtual environment runs the simulated CUDA device.
 
 A plain ``pip install <checkout>`` lost the simulated CUDA device's C++ (``fakecuda/csrc/*.cpp``): the package data
 listed only ``memory/csrc/*.cpp``, so ``rlhfmem capture --device cuda-sim`` ended in ``FileNotFoundError`` for every
 pip user (issue 37, item 1). Checked on a real wheel, built by setuptools from this checkout."""
 
+import json
+import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import venv
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_wheel_carries_every_file_of_the_package(tmp_path):
+def tracked_files() -> list[str]:
     tracked = subprocess.run(["git", "ls-files", "pytest_rlhfmem"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.split()
     if not tracked:  # not a git checkout (an sdist): the files on disk are the package
         tracked = [str(p.relative_to(ROOT)) for p in (ROOT / "pytest_rlhfmem").rglob("*") if p.is_file()
                    and "__pycache__" not in p.parts]
-    src = tmp_path / "src"  # a copy of the tracked files: setuptools' build/ stays out of the checkout
-    for f in tracked + ["pyproject.toml", "README.md"]:
+    return tracked
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built by setuptools from a copy of the tracked files (its build/ stays out of the
+    checkout)."""
+    out = tmp_path_factory.mktemp("wheel")
+    src = out / "src"
+    for f in tracked_files() + ["pyproject.toml", "README.md"]:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / f, src / f)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(src)], check=True, capture_output=True, timeout=300)
-    (wheel,) = tmp_path.glob("pytest_rlhfmem-*.whl")
+                    str(out), str(src)], check=True, capture_output=True, timeout=300)
+    (built,) = out.glob("pytest_rlhfmem-*.whl")
+    return built
+
+
+def test_the_wheel_carries_every_file_of_the_package(wheel):
     carried = set(zipfile.ZipFile(wheel).namelist())
-    missing = sorted(f for f in tracked if f not in carried)
+    missing = sorted(f for f in tracked_files() if f not in carried)
     assert not missing, f"the wheel lacks {missing}: add them to [tool.setuptools.package-data] in pyproject.toml"
+
+
+def test_the_wheel_in_a_fresh_venv_captures_on_the_simulated_device_and_replays(wheel, tmp_path):
+    """No editable install and no checkout on the path: a new virtual environment whose only pytest_rlhfmem is the
+    wheel's, its dependencies (torch, transformers ...) reached through a ``.pth`` line naming this environment's
+    site-packages (a ``.pth`` line adds the directory, not the editable finder installed there). Run from a
+    directory outside the checkout: ``rlhfmem capture --device cuda-sim`` of a CUDA script (the device's C++ is
+    built from the wheel's sources), then ``rlhfmem replay`` of the snapshot it saved."""
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")  # after: pip saw no other install
+    where = subprocess.run([str(py), "-c", "import pytest_rlhfmem; print(pytest_rlhfmem.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = tmp_path / "train.py"
+    shutil.copy2(ROOT / "tests" / "data" / "commands" / "cuda_train.py", script)
+    snaps = tmp_path / "snaps"
+    r = subprocess.run([str(env_dir / "bin" / "rlhfmem"), "capture", "--device", "cuda-sim", "--id", "wheel",
+                        "--snapshot-dir", str(snaps), "--json", str(tmp_path / "result.json"), "--", str(py),
+                        str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["capture"] == "sim-cuda-simulated" and result["status"] == "ok"
+    (snap,) = snaps.glob("*.pickle")
+    r = subprocess.run([str(env_dir / "bin" / "rlhfmem"), "replay", str(snap), "--json"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["simulated"]["peak_allocated"] == result["metrics"]["peak_allocated"]

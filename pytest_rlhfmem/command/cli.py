@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments, seconds
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
@@ -43,7 +44,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     c.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S,
-                   help="seconds before every process is killed and the run reported as hung")
+                   help=f"seconds before every process is killed and the run reported as hung (default "
+                        f"{DEFAULT_TIMEOUT_S:.0f}); a run longer than a minute prints where each rank is, every minute")
     c.add_argument("--id", dest="capture_id", default=None, help="the result's id (budget entry key, what "
                    "rlhfmem diff pairs); default: the program without its arguments (the script's path or "
                    "-m's module; /xN for N ranks)")
@@ -94,7 +96,8 @@ def _capture(args: argparse.Namespace) -> int:
     def once(snapshot_dir: str | None) -> dict:
         return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                            device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
-                           cuda_emulation=args.cuda_emulation, env=env or None, sim_values=args.sim_values)
+                           cuda_emulation=args.cuda_emulation, env=env or None, sim_values=args.sim_values,
+                           on_progress=lambda line: print(line, file=sys.stderr, flush=True))
 
     try:
         result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)

@@ -17,11 +17,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from ..record.recorder import history_settings
-from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, resolve_device,
-                           run_process_group)
+from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, progress_line,
+                           resolve_device, run_process_group)
 from ..rlhf.scenario import ScenarioError
 from ..simcuda.library import ENV_VALUES, values_mode
 from . import rank as R
@@ -191,14 +192,16 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
                 nproc_per_node: int | None = None, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
                 env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on",
-                sim_values: str | None = None) -> dict:
+                sim_values: str | None = None, on_progress: Any = None) -> dict:
     """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
     ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
 
     A crash, OOM or hang of any rank is a result with ``status`` ``failed`` and its rank, phase and
     memory so far (never an exception). ``env`` adds to this process's environment. ``cuda_emulation``
     (``on``/``off``) is the CPU capture's CUDA emulation (``record/emulation.py``), as for the recipes.
-    ``sim_values`` (``on``/``off``; ``device="cuda-sim"`` only): whether the simulated device computes values
+    ``on_progress(line)``, when given, gets a line every minute of a long run (elapsed seconds, each rank's phase:
+    ``rlhf/launch.py: progress_line``). ``sim_values`` (``on``/``off``; ``device="cuda-sim"`` only): whether the
+    simulated device computes values
     (``simcuda/library.py: values_mode``); default ``on`` unless ``env`` or this environment sets
     ``$RLHFMEM_SIM_CUDA_VALUES``: a program's own control flow (stopping criteria, masks) needs values. Raises
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
@@ -233,7 +236,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd)
+        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd, on_progress)
     except CommandError:
         if not work_dir:  # nothing was measured; the message quotes the command's last output line
             shutil.rmtree(work, ignore_errors=True)
@@ -241,7 +244,8 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 
 
 def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002
-            timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None) -> dict:
+            timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None,
+            on_progress: Any = None) -> dict:
     t0 = time.perf_counter()
     # the user's environment as it is (hubs online, their thread settings); on CPU CUDA hidden
     run_env = command_env("cpu" if device == SIM_DEVICE else device)
@@ -265,8 +269,9 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
         run_env["RLHFMEM_SIM_CUDA_LIBRARY"] = sim_cuda_library()
     log_path = work / "command.log"
     try:
+        tick = None if on_progress is None else (lambda s: on_progress(progress_line(work, s, f"capture {id}")))
         returncode, timed_out = run_process_group(_with_log_dir(argv, work) if is_torchrun else argv, log_path,
-                                                  run_env, timeout, work, cwd=cwd)
+                                                  run_env, timeout, work, cwd=cwd, on_progress=tick)
     except OSError as exc:
         raise CommandError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
     started = sorted(work.glob("claim-rank*"))

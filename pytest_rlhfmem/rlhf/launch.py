@@ -24,12 +24,14 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..cbuild import cache_dir
+from ..units import format_size
 from ..hardware import cuda_device_count
 from ..hostcpu import fp16_answer
 from ..record.recorder import history_settings
@@ -360,22 +362,37 @@ def interruptible() -> Iterator[None]:
             signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
+PROGRESS_EVERY_S = 60.0  # how often a long run's progress line is printed (run_process_group's on_progress)
+
+
 def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float, work: Path,
-                      cwd: str | Path | None = None) -> tuple[int, bool]:
+                      cwd: str | Path | None = None, on_progress: Any = None,
+                      progress_every_s: float = PROGRESS_EVERY_S) -> tuple[int, bool]:
     """Run ``cmd`` (a torchrun line or a user's command) in its own session, stdout and stderr to
     ``log_path``; at ``timeout`` seconds terminate the whole group (SIGTERM, then SIGKILL after 15 s).
     Afterwards kill any worker group still alive (each rank announces its pid in ``work``'s progress
     files; torchrun starts each worker in a session of its own, found here as the command's descendants).
     Returns ``(returncode, timed_out)``; raises ``OSError`` when ``cmd`` cannot start, and
     :class:`RunInterrupted` (after stopping every process the same way, SIGKILL after
-    :data:`INTERRUPT_GRACE_S`) when SIGINT, SIGTERM or SIGHUP reaches this process meanwhile."""
+    :data:`INTERRUPT_GRACE_S`) when SIGINT, SIGTERM or SIGHUP reaches this process meanwhile.
+    ``on_progress(elapsed_s)``, when given, is called every ``progress_every_s`` seconds while the command runs
+    (a long run says where it is: :func:`progress_line`)."""
     timed_out = False
+    t0 = time.monotonic()
     with open(log_path, "wb") as log, interruptible():
         proc = None
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                     cwd=cwd)
-            proc.wait(timeout=timeout)
+            while True:
+                left = timeout - (time.monotonic() - t0)
+                try:
+                    proc.wait(timeout=max(0.0, min(left, progress_every_s) if on_progress else left))
+                    break
+                except subprocess.TimeoutExpired:
+                    if on_progress is None or time.monotonic() - t0 >= timeout:
+                        raise
+                    on_progress(time.monotonic() - t0)
         except subprocess.TimeoutExpired:
             timed_out = True
             _note_alive_at_timeout(work)
@@ -409,6 +426,24 @@ def _note_alive_at_timeout(work: Path) -> None:
         except (ValueError, KeyError, TypeError, OSError):
             pass
     (work / ALIVE_AT_TIMEOUT).write_text(json.dumps(sorted(alive)))
+
+
+def progress_line(work: Path, elapsed_s: float, label: str) -> str:
+    """One line on a run in progress, from its ranks' progress files in ``work`` (written at each phase change:
+    ``record/rank.py: RankCapture.progress``): ``"<label>: 120 s, rank 0 in phase 'train' (12,345 device events
+    recorded by then), host RSS 1.20 GiB"`` (the events and RSS as of the phase's start); before any rank
+    records, says so."""
+    parts = []
+    for p in sorted(work.glob("progress-rank*.json")):
+        try:
+            prog = json.loads(p.read_text())
+        except (ValueError, OSError):
+            continue
+        rows = prog.get("device_rows")
+        parts.append(f"rank {prog.get('rank')} in phase {prog.get('phase')!r}"
+                     + (f" ({rows:,} device events recorded by then)" if rows is not None else "")
+                     + (f", host RSS {format_size(int(prog['host_rss']))}" if prog.get("host_rss") else ""))
+    return f"{label}: {elapsed_s:.0f} s, " + ("; ".join(parts) if parts else "no rank has started recording yet")
 
 
 def rank_phases(work: Path) -> dict[int, str]:

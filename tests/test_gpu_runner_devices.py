@@ -126,3 +126,11 @@ def test_a_bad_history_setting_is_one_line_before_any_rank_starts(monkeypatch, t
         launch.run_scenario(Scenario("deepspeed-chat", "tiny-opt", "none", "none", 1), device="cuda",
                             work_dir=tmp_path / "work")
     assert not (tmp_path / "work").exists()  # nothing started
+
+
+def test_cuda_without_a_gpu_names_the_simulated_device(capsys):
+    from pytest_rlhfmem.cli import main
+
+    assert main(["capture", "--device", "cuda", "--", sys.executable, "-c", "import torch"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device here" in err and "--device cuda-sim" in err and len(err.strip().splitlines()) == 1

@@ -30,3 +30,4 @@ def test_the_progress_line_names_each_ranks_phase_events_and_rss(tmp_path):
     assert progress_line(tmp_path, 120, "capture x") == (
         "capture x: 120 s, rank 0 in phase 'generate' (12,345 device events recorded by then), host RSS 3.00 GiB; "
         "rank 1 in phase 'startup'")
+

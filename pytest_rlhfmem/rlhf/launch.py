@@ -81,7 +81,8 @@ def no_cuda_device() -> str:
         why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None else
                "torch.cuda.is_available() is False" + (f"; CUDA_VISIBLE_DEVICES={hidden!r}" if hidden is not None
                                                        else ""))
-    return (f"no CUDA device here ({why}); run on device cpu (figures simulated by the allocator model) or on a "
+    return (f"no CUDA device here ({why}); run on device cpu (figures simulated by the allocator model), a "
+            f"command's CUDA code unchanged on the simulated CUDA device (rlhfmem capture --device cuda-sim), or on a "
             f"machine with a GPU")
 
 

@@ -2,7 +2,6 @@
 begin/end form of rlhfmem.phase used as a framework's callbacks would use it."""
 
 import runpy
-import sys
 from pathlib import Path
 
 import torch  # noqa: F401 - the capture starts with torch; transformers imports it lazily

@@ -739,6 +739,10 @@ class CachingAllocatorModel:
                                                     else self.config.segment_placement.address_space())
         # Set by an anchored replay when the recorded run's first cudaMalloc for this request failed.
         self.fail_next_cuda_malloc = False
+        # bytes of the device mapped outside this allocator (events.py: EXTERNAL_MAP; a colocated rollout engine's
+        # CuMemAllocator mappings): physical memory cudaMalloc and cuMemCreate cannot have; never released by it
+        self.external_bytes = 0
+        self.peak_device_used = 0  # bytes: the peak of reserved + external_bytes, updated where either grows
 
     # -- sizes ----------------------------------------------------------------------------------
 
@@ -1011,6 +1015,8 @@ class CachingAllocatorModel:
             return block
         if self.capacity is not None and st.reserved_bytes + alloc_size > self.capacity:
             return None
+        if self.external_bytes and not self.device_has_room(alloc_size):
+            return None  # cudaMalloc: the other allocator's mappings hold the rest of the device
         if pool.owner_private_pool is not None:
             pool.owner_private_pool.cudaMalloc_count += 1
         address = self._new_address(alloc_size, alloc_size)
@@ -1021,9 +1027,38 @@ class CachingAllocatorModel:
         st.num_device_alloc += 1
         if st.reserved_bytes > st.peak_reserved_bytes:
             st.peak_reserved_bytes = st.reserved_bytes
+        if st.reserved_bytes + self.external_bytes > self.peak_device_used:
+            self.peak_device_used = st.reserved_bytes + self.external_bytes
         if self.on_segment_alloc is not None:
             self.on_segment_alloc(address, alloc_size, stream)
         return block
+
+    # -- device memory outside this allocator (events.py: EXTERNAL_MAP) ------------------------------
+
+    def device_has_room(self, size: int) -> bool:
+        """Whether the device (``device_total`` bytes; ``None``: unlimited) can back ``size`` more bytes beside
+        this allocator's reserved bytes and the ``external_bytes`` another allocator maps."""
+        return self.device_total is None or self.stats.reserved_bytes + self.external_bytes + size <= self.device_total
+
+    def map_external(self, size: int) -> bool:
+        """Another allocator of the process maps ``size`` bytes (vLLM's ``CuMemAllocator``: ``create_and_map``
+        at load and at ``wake_up``, ``vllm/device_allocator/cumem.py``). Nothing of this allocator is released
+        for it: the other allocator calls the driver, not ``malloc``. Returns False (nothing mapped; the caller
+        counts the OOM) when the device cannot back it."""
+        if not self.device_has_room(size):
+            return False
+        self.external_bytes += size
+        used = self.stats.reserved_bytes + self.external_bytes
+        if used > self.peak_device_used:
+            self.peak_device_used = used
+        return True
+
+    def unmap_external(self, size: int) -> None:
+        """The other allocator releases ``size`` bytes it mapped (``unmap_and_release`` at ``sleep``). Raises
+        ``ValueError`` when more is released than is mapped."""
+        if size > self.external_bytes:
+            raise ValueError(f"unmap of {size} bytes outside the caching allocator: only {self.external_bytes} mapped")
+        self.external_bytes -= size
 
     # -- expandable segments ---------------------------------------------------------------------
 
@@ -1075,6 +1110,8 @@ class CachingAllocatorModel:
         pages = es.pages_to_map(to_map.address, size)
         if self.capacity is not None and st.reserved_bytes + len(pages) * es.segment_size > self.capacity:
             return False  # cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY
+        if self.external_bytes and not self.device_has_room(len(pages) * es.segment_size):
+            return False  # cuMemCreate: the other allocator's mappings hold the rest of the device
         mapped_ptr, mapped_size = es.map(to_map.address, size)
         pool = to_map.pool
         pool.erase_unmapped(to_map)
@@ -1092,6 +1129,8 @@ class CachingAllocatorModel:
         st.reserved_bytes += mapped_size
         if st.reserved_bytes > st.peak_reserved_bytes:
             st.peak_reserved_bytes = st.reserved_bytes
+        if st.reserved_bytes + self.external_bytes > self.peak_device_used:
+            self.peak_device_used = st.reserved_bytes + self.external_bytes
         st.num_device_alloc += 1
         if self.on_segment_map is not None:
             self.on_segment_map(mapped_ptr, mapped_size, to_map.stream)

@@ -15,13 +15,13 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from .events import (
-    ALLOC, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC,
-    SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
+    ALLOC, EXTERNAL_MAP, EXTERNAL_UNMAP, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, PHASE_END, POOL_ENTER, POOL_EXIT,
+    POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, SegmentState, Trace,
 )
 
 # Action codes shared with replay_core.cpp (enum Action): the index in this tuple. Anything else is OTHER.
 ACTIONS = (ALLOC, FREE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, OOM, POOL_ENTER, POOL_EXIT,
-           POOL_RELEASE, PHASE, PHASE_END, FLUSH, FREE_REQUESTED)
+           POOL_RELEASE, PHASE, PHASE_END, FLUSH, FREE_REQUESTED, EXTERNAL_MAP, EXTERNAL_UNMAP)
 OTHER = len(ACTIONS)
 CODE = {a: i for i, a in enumerate(ACTIONS)}
 _SEGMENT_CODES = bytes(CODE[a] for a in (SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP))
@@ -62,6 +62,10 @@ class TraceColumns:
 
     def has_pool_markers(self) -> bool:
         return any(bytes([CODE[a]]) in self.action for a in (POOL_ENTER, POOL_EXIT, POOL_RELEASE))
+
+    def has_external_mappings(self) -> bool:
+        """Whether the trace maps device memory outside the caching allocator (``EXTERNAL_MAP``)."""
+        return bytes([CODE[EXTERNAL_MAP]]) in self.action
 
     def count(self, *actions: str) -> int:
         """Events whose action is one of ``actions`` (C speed: ``bytes.count``)."""

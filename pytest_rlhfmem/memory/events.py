@@ -33,6 +33,15 @@ OOM = "oom"  # a failed malloc: addr = the device's free bytes then (cudaMemGetI
 POOL_ENTER = "pool_enter"
 POOL_EXIT = "pool_exit"
 POOL_RELEASE = "pool_release"
+# Device memory mapped OUTSIDE the caching allocator: another allocator of the same process maps physical
+# memory the trainer's caching allocator cannot see or release (a colocated rollout engine's weights and KV cache:
+# vLLM's CuMemAllocator, vllm/device_allocator/cumem.py, cuMemCreate + cuMemMap at load and at ``wake_up``, unmapped
+# and released at ``sleep``; SGLang's torch_memory_saver the same at ``resume``/``pause``). addr = the mapping's id
+# (unique among the live ones), size = its bytes, name = its tag (``weights``, ``kv_cache``, ``cuda_graph``). The
+# caching allocator's cudaMalloc (and page mapping) then fails past capacity minus these bytes; an EXTERNAL_MAP the
+# device cannot back is an OOM of that allocator (vLLM raises; nothing releases the trainer's cached blocks for it).
+EXTERNAL_MAP = "external_map"
+EXTERNAL_UNMAP = "external_unmap"
 PHASE = "phase"  # a phase begins (name); the previous one ends
 PHASE_END = "phase_end"  # a phase's code is done (name); what follows until the next PHASE is between phases
 FLUSH = "flush"  # torch.cuda.empty_cache() at this point (name says which policy point)

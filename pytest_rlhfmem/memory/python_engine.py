@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
 from .events import (
-    ALLOC, CUBLAS_WORKSPACE, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, POOL_ENTER, POOL_EXIT, POOL_RELEASE,
-    SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
+    ALLOC, CUBLAS_WORKSPACE, EXTERNAL_MAP, EXTERNAL_UNMAP, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, POOL_ENTER,
+    POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
 )
 from .metrics import MetricsCollector
 from .recorded import CREATIONS, RELEASES, infer_capacity, recorded_release_batches
@@ -142,6 +142,9 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
     flushes: list[dict] = []
     flush_frees = 0
     requested_at_end: dict[str, int] = {}
+    external_live: dict[int, int] = {}  # EXTERNAL_MAP id -> bytes, the mappings the device backed
+    external_failures: list[dict] = []
+    external_peak = 0
     malloc = model.malloc
     free = model.free
     after_event = collector.after_event
@@ -237,6 +240,24 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
             if st.reserved_bytes != before:
                 flush_points.append(idx)
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
+        elif action == EXTERNAL_MAP:  # another allocator maps memory: it fails alone, nothing is released for it
+            if model.map_external(ev.size):
+                external_live[ev.addr] = ev.size
+                external_peak = max(external_peak, model.external_bytes)
+            else:
+                st.num_ooms += 1
+                collector.on_retry_or_oom(0, 1)
+                external_failures.append({
+                    "name": ev.name, "bytes": ev.size, "phase": collector.current.phase if collector.current else None,
+                    "reserved": st.reserved_bytes, "external": model.external_bytes, "capacity": capacity})
+            if out_events is not None:
+                out_events.append(ev)
+        elif action == EXTERNAL_UNMAP:
+            size = external_live.pop(ev.addr, None)
+            if size is not None:  # a mapping that failed has nothing to release
+                model.unmap_external(size)
+            if out_events is not None:
+                out_events.append(ev)
         elif action in (POOL_ENTER, POOL_EXIT, POOL_RELEASE):
             pool_id = (ev.addr, ev.size)
             try:
@@ -271,4 +292,6 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
         cuda_frees_outside_flushes=st.num_device_free - flush_frees, requested_at_phase_end=requested_at_end,
         events=out_events, segment_maps=segment_maps, segment_unmaps=segment_unmaps, capacity=capacity,
         capacity_source=capacity_source, oom_mismatches=oom_mismatches, engine=PYTHON, engine_reason=engine_reason,
+        external_peak=external_peak, peak_device_used=max(model.peak_device_used, st.peak_reserved_bytes),
+        external_map_failures=external_failures,
     )

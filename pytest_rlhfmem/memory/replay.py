@@ -119,7 +119,9 @@ def replay(trace: Trace | TraceColumns, config: AllocatorConfig | None = None, m
     settings PyTorch could not have written, and :class:`ReplayError` for a trace the model cannot follow
     (unbalanced pool markers, a pre-existing segment its live blocks do not fit). A request the model
     cannot satisfy counts as an OOM (``ooms``) and the replay goes on, as a caught ``OutOfMemoryError``
-    would.
+    would. ``EXTERNAL_MAP``/``EXTERNAL_UNMAP`` events (device memory another allocator maps, a colocated rollout
+    engine's) lower what cudaMalloc can have while they are mapped; one the device cannot back counts as an OOM
+    (``ReplayResult.external_map_failures``) and maps nothing (Python engine).
     """
     if mode not in MODES:
         raise ValueError(f"replay mode {mode!r}: allowed values are {', '.join(MODES)}")
@@ -145,6 +147,7 @@ def replay(trace: Trace | TraceColumns, config: AllocatorConfig | None = None, m
         result = run_compiled(cols, config, capacity, flush_at, flush_names, mode)
         result.capacity_source = capacity_source
         result.engine_reason = why
+        result.peak_device_used = result.total.peak_reserved  # nothing outside the allocator (engine_for)
     result.config = config
     return result
 

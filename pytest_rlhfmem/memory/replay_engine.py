@@ -217,6 +217,8 @@ def engine_for(cols: TraceColumns | None, config: AllocatorConfig, mode: str, re
         why = "the per-event series is recorded by the Python model"
     elif record_events:
         why = "the replayed events are recorded by the Python model"
+    elif cols is not None and cols.has_external_mappings():
+        why = "device memory mapped outside the caching allocator (external_map) is modelled by the Python model"
     else:
         ok, reason = compiled_available()
         if not ok:

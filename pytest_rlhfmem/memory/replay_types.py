@@ -57,6 +57,11 @@ class ReplayResult:
     engine: str = "python"  # "python" (allocator.py) or "compiled" (csrc/replay_core.cpp): replay_engine.py
     engine_reason: str = ""  # why that engine (replay_engine.engine_for)
     config: AllocatorConfig | None = None  # the settings the replay ran under (replay.replay sets it)
+    # device memory outside the caching allocator (events.py: EXTERNAL_MAP; Python engine only), bytes
+    external_peak: int = 0  # the most mapped outside the allocator at once
+    peak_device_used: int = 0  # the peak of reserved + external (the device's used bytes, this process)
+    # each EXTERNAL_MAP the device could not back: name (tag), bytes, phase, reserved and external then, capacity
+    external_map_failures: list[dict] = field(default_factory=list)
 
     @property
     def segments(self) -> list[dict]:

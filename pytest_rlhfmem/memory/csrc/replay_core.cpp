@@ -171,7 +171,9 @@ class FlatMap {
 // Action codes: the index of each action in memory/columns.py's ACTIONS.
 enum Action : uint8_t {
   A_ALLOC = 0, A_FREE, A_SEGMENT_ALLOC, A_SEGMENT_FREE, A_SEGMENT_MAP, A_SEGMENT_UNMAP, A_OOM,
-  A_POOL_ENTER, A_POOL_EXIT, A_POOL_RELEASE, A_PHASE, A_PHASE_END, A_FLUSH, A_FREE_REQUESTED, A_OTHER
+  A_POOL_ENTER, A_POOL_EXIT, A_POOL_RELEASE, A_PHASE, A_PHASE_END, A_FLUSH, A_FREE_REQUESTED,
+  A_EXTERNAL_MAP, A_EXTERNAL_UNMAP,  // never reach the core: replay_engine.py's engine_for picks Python for them
+  A_OTHER
 };
 
 // What rc_run returns: 0, or where the Python engine raises (replay_engine.py's ReplayStatus mirrors it and

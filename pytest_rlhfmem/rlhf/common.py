@@ -1,13 +1,16 @@
-"""What both recipes share besides the PPO maths: precision, LoRA through peft, prompts, the flush policy,
-and the fault-injection hooks that test the launcher."""
+"""What both recipes share besides the PPO maths: precision, LoRA through peft, prompts and their attention
+mask, and the phase step (:class:`PhaseSteps`: the phase mark, the fault-injection hook that tests the launcher,
+the flush policy)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
-from ..record.recorder import Recorder
+from ..record.recorder import PhaseRecord, Recorder
 from .models import ModelPair
 from .scenario import Scenario
 
@@ -60,10 +63,14 @@ def random_prompts(pair: ModelPair, batch: int, prompt_len: int, device: str) ->
     return prompts, mask, pad_id
 
 
-def maybe_flush(scenario: Scenario, rec: Recorder, phase: str) -> None:
-    """The flush policy: ``torch.cuda.empty_cache()`` (CUDA) or a FLUSH event (CPU) after ``phase``."""
-    if scenario.flush_after(phase):
-        rec.flush(f"after-{phase}")
+def full_attention_mask(prompt_mask: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """The attention mask of generated sequences, ``[b, prompt_len + answer_len]``: the prompts' mask
+    ``prompt_mask`` ``[b, prompt_len]`` (0 on the left padding) followed by ones over the answers, which
+    have no padding (both recipes generate with ``min_new_tokens = max_new_tokens``). ``seq`` is
+    ``[b, prompt_len + answer_len]``; the ones take ``prompt_mask``'s dtype and device."""
+    b, prompt_len = prompt_mask.shape
+    answers = torch.ones(b, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype, device=prompt_mask.device)
+    return torch.cat([prompt_mask, answers], dim=1)
 
 
 class FaultHooks:
@@ -87,3 +94,36 @@ class FaultHooks:
         if self.hang == phase:
             while True:
                 time.sleep(3600)
+
+
+class PhaseSteps:
+    """The phase step of both recipes: ``steps = PhaseSteps(scenario, rec, rank)``, then
+    ``with steps("infer_actor"): ...`` around each phase of the iteration. In this order:
+
+    1. the phase opens (:meth:`Recorder.phase`: a PHASE mark in the trace, the phase's clock starts);
+    2. the body runs;
+    3. the fault hook (:meth:`FaultHooks.at`): at the body's normal end, inside the phase, so an injected
+       crash is an error of that phase and an injected hang holds it open;
+    4. the phase closes;
+    5. the flush policy: :meth:`Recorder.flush` ``("after-<phase>")`` (``torch.cuda.empty_cache()`` on CUDA, a
+       FLUSH mark on CPU) where the scenario's policy says so (:meth:`Scenario.flush_after`).
+
+    When the body raises, the phase closes with the error (the rank's failure names it) and neither the hook
+    nor the flush runs. The policy is read from the scenario once, here: :attr:`flush_after` holds those of
+    the scenario's phases (:attr:`Scenario.phases`) after which the cache is emptied (no policy names
+    ``init``). The step marks any name; a recipe marks a phase outside the scenario's (DeepSpeed-Chat's
+    ``ema``) with :meth:`Recorder.phase` itself: no fault hook, no flush.
+    """
+
+    def __init__(self, scenario: Scenario, rec: Recorder, rank: int) -> None:
+        self.rec = rec
+        self.hooks = FaultHooks(scenario, rank)
+        self.flush_after = frozenset(p for p in scenario.phases if scenario.flush_after(p))
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[PhaseRecord]:
+        with self.rec.phase(name) as record:
+            yield record
+            self.hooks.at(name)
+        if name in self.flush_after:
+            self.rec.flush(f"after-{name}")

@@ -33,6 +33,13 @@ def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return log_probs.gather(dim=-1, index=labels.unsqueeze(-1)).squeeze(-1)
 
 
+def sequence_log_probs(logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each token of ``seq`` after the first, under the logits of a forward over ``seq``
+    (position ``t`` predicts token ``t + 1``): logits ``[B, T, V]``, seq ``[B, T]`` -> ``[B, A]``, ``A = T - 1``.
+    ``generate_experience``'s ``gather_log_probs(logits[:, :-1, :], seq[:, 1:])``."""
+    return gather_log_probs(logits[:, :-1, :], seq[:, 1:])
+
+
 def compute_rewards(start: int, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
                     reward_score: torch.Tensor, action_mask: torch.Tensor,
                     hp: PPOHyperparams = PPOHyperparams()) -> torch.Tensor:

@@ -5,9 +5,14 @@ One small package, read bottom up; each module imports only those below it:
 
 - ``builders.py``: what each memory strategy turns on (:data:`STRATEGY_PLUGINS`, :data:`CPU_STRATEGIES`), the
   booster plugins, the value model, and the boosted models of one iteration (``train_ppo.py``'s order);
+- ``experience.py``: the experience both iterations make the same way (coati's experience maker up to the
+  reward model: phases ``generate``, ``generate_greedy``, ``infer_actor``, ``infer_reference``), a ``Rollout``;
 - ``ppo_iteration.py``: PPO (coati's experience maker, experience buffer and ``PPOTrainer``);
   ``critic_free_iteration.py``: ReMax and GRPO;
 - this module: :func:`run_iteration`, the one entry (the rank worker calls it).
+
+Every phase is a step of ``common.PhaseSteps`` (``with steps("infer_actor"):``): the recorder marks it, the fault
+hook fires at its end, the flush policy empties the cache after it.
 
 The rewards, advantages and losses are the framework-free code of ``rlhf/ppo.py`` and ``rlhf/critic_free.py``,
 shared with the DeepSpeed-Chat recipe; the two recipes import nothing from each other.

@@ -16,10 +16,11 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import critic_free, ppo
-from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
+from ..common import PhaseSteps, random_prompts, resolve_dtype
 from ..models import get_pair
 from ..scenario import DEFAULT_GROUP_SIZE, Scenario
 from .builders import CPU_DTYPE, STRATEGY_PLUGINS, boost_models, module_tensors
+from .experience import infer_experience
 
 
 def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -36,57 +37,29 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
     answer_len = scenario.get("answer_len", pair.answer_len)
     lora_dim = scenario.get("lora_dim", pair.lora_dim)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
-    hooks = FaultHooks(scenario, rank)
+    steps = PhaseSteps(scenario, rec, rank)
 
-    with rec.phase("init"):
+    with steps("init"):
         m = boost_models(scenario, pair, kind, dtype, device, lora_dim, grad_ckpt, with_critic=False)
         actor, actor_optim, actor_booster, ref, reward = m.actor, m.actor_optim, m.actor_booster, m.ref, m.reward
-        hooks.at("init")
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, prompts_n, prompt_len, device)
-    if grpo:
+    prompts, prompt_mask, pad_id = random_prompts(pair, prompts_n, prompt_len, device)  # [prompts_n, prompt_len]
+    if grpo:  # a group of samples per prompt, adjacent: [b, prompt_len], b = prompts_n * group_size
         prompts, prompt_mask = prompts.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
-    gen = {"attention_mask": prompt_mask, "max_new_tokens": answer_len, "min_new_tokens": answer_len,
-           "pad_token_id": pad_id, "use_cache": True}
     actor.eval()
-    greedy = None
-    with torch.no_grad():
-        with rec.phase("generate"):
-            seq = actor.unwrap(unwrap_peft=False).generate(prompts, do_sample=True, temperature=0.7, top_k=50, **gen)
-            hooks.at("generate")
-        maybe_flush(scenario, rec, "generate")
-        if not grpo:
-            with rec.phase("generate_greedy"):
-                greedy = actor.unwrap(unwrap_peft=False).generate(prompts, do_sample=False, **gen)
-                hooks.at("generate_greedy")
-            maybe_flush(scenario, rec, "generate_greedy")
-        attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len,
-                                                            dtype=prompt_mask.dtype, device=device)], dim=1)
-        with rec.phase("infer_actor"):
-            logits = actor(input_ids=seq, attention_mask=attention_mask)["logits"]
-            log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_actor")
-        maybe_flush(scenario, rec, "infer_actor")
-        with rec.phase("infer_reference"):
-            logits = ref(input_ids=seq, attention_mask=attention_mask)["logits"]
-            ref_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_reference")
-        maybe_flush(scenario, rec, "infer_reference")
-        with rec.phase("infer_reward"):
-            score = reward(seq, attention_mask)[:, -1]
-            start = prompt_len - 1
-            action_mask = attention_mask[:, 1:]
-            if grpo:
-                target = critic_free.group_advantages(score, group)
-            else:
-                baseline = reward(greedy, attention_mask)[:, -1]
-                target = critic_free.remax_returns(start, log_probs, ref_log_probs, score, baseline, action_mask)
-            experience = [seq, attention_mask, log_probs, ref_log_probs, target]
-            rec.moved_to_host(experience)  # the experience buffer keeps it on CPU
-            hooks.at("infer_reward")
-        maybe_flush(scenario, rec, "infer_reward")
+    seq, attention_mask, greedy, log_probs, ref_log_probs = infer_experience(
+        steps, actor, ref, prompts, prompt_mask, pad_id, answer_len, greedy=not grpo)
+    with torch.no_grad(), steps("infer_reward"):
+        score = reward(seq, attention_mask)[:, -1]  # [b]
+        start = prompt_len - 1  # the answer's log-probs start here
+        action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+        if grpo:  # GRPO's advantages, [b]
+            target = critic_free.group_advantages(score, group)
+        else:  # ReMax's returns, [b, answer_len]
+            baseline = reward(greedy, attention_mask)[:, -1]  # [b]
+            target = critic_free.remax_returns(start, log_probs, ref_log_probs, score, baseline, action_mask)
+        experience = [seq, attention_mask, log_probs, ref_log_probs, target]
+        rec.moved_to_host(experience)  # the experience buffer keeps it on CPU
 
     if not gemini:
         ref.to("cpu")
@@ -94,7 +67,7 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
         rec.moved_to_host(module_tensors(ref, reward))
     actor.train()
     rec.moved_to_device(experience)
-    with rec.phase("train_actor"):
+    with steps("train_actor"):
         logits = actor(input_ids=seq, attention_mask=attention_mask)["logits"]
         new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
         mask = action_mask[:, start:]
@@ -107,8 +80,6 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
         actor_optim.step()
         actor_optim.zero_grad()
         del logits, new_log_probs
-        hooks.at("train_actor")
-    maybe_flush(scenario, rec, "train_actor")
     return {
         "algorithm": scenario.algorithm, "critic_built": False, "group_size": group if grpo else None,
         "actor_loss": float(actor_loss.detach().float()),

@@ -22,10 +22,11 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import ppo
-from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
+from ..common import PhaseSteps, random_prompts, resolve_dtype
 from ..models import get_pair
 from ..scenario import Scenario
 from .builders import CPU_DTYPE, STRATEGY_PLUGINS, boost_models, module_tensors
+from .experience import infer_experience
 
 
 def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -39,55 +40,32 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     answer_len = scenario.get("answer_len", pair.answer_len)
     lora_dim = scenario.get("lora_dim", pair.lora_dim)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
-    hooks = FaultHooks(scenario, rank)
+    steps = PhaseSteps(scenario, rec, rank)
 
-    with rec.phase("init"):
+    with steps("init"):
         m = boost_models(scenario, pair, kind, dtype, device, lora_dim, grad_ckpt, with_critic=True)
         actor, actor_optim, actor_booster = m.actor, m.actor_optim, m.actor_booster
         critic, critic_optim, critic_booster = m.critic, m.critic_optim, m.critic_booster
         ref, reward = m.ref, m.reward
-        hooks.at("init")
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)
+    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
 
     # ---- make_experience (coati/experience_maker/naive.py) -----------------------------------
     actor.eval()
     critic.eval()
+    seq, attention_mask, _, log_probs, ref_log_probs = infer_experience(steps, actor, ref, prompts, prompt_mask,
+                                                                        pad_id, answer_len)
     with torch.no_grad():
-        with rec.phase("generate"):
-            seq = actor.unwrap(unwrap_peft=False).generate(
-                prompts, attention_mask=prompt_mask, max_new_tokens=answer_len, min_new_tokens=answer_len,
-                do_sample=True, temperature=0.7, top_k=50, pad_token_id=pad_id, use_cache=True)
-            hooks.at("generate")
-        maybe_flush(scenario, rec, "generate")
-        attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len,
-                                                            dtype=prompt_mask.dtype, device=device)], dim=1)
-        with rec.phase("infer_actor"):
-            logits = actor(input_ids=seq, attention_mask=attention_mask)["logits"]
-            log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_actor")
-        maybe_flush(scenario, rec, "infer_actor")
-        with rec.phase("infer_reference"):
-            logits = ref(input_ids=seq, attention_mask=attention_mask)["logits"]
-            ref_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_reference")
-        maybe_flush(scenario, rec, "infer_reference")
-        with rec.phase("infer_reward"):
-            reward_score = reward(seq, attention_mask)[:, -1]
-            hooks.at("infer_reward")
-        maybe_flush(scenario, rec, "infer_reward")
-        with rec.phase("infer_critic"):
-            values = critic(seq, attention_mask)[:, :-1]
-            start = prompt_len - 1
-            action_mask = attention_mask[:, 1:]
+        with steps("infer_reward"):
+            reward_score = reward(seq, attention_mask)[:, -1]  # [b]
+        with steps("infer_critic"):
+            values = critic(seq, attention_mask)[:, :-1]  # [b, prompt_len + answer_len - 1]
+            start = prompt_len - 1  # the answer's log-probs start here
+            action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
             rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
-            advantages, returns = ppo.get_advantages_and_returns(values, rewards, start)
+            advantages, returns = ppo.get_advantages_and_returns(values, rewards, start)  # [b, answer_len]
             experience = [seq, attention_mask, log_probs, values, advantages, returns]
             rec.moved_to_host(experience)  # the experience buffer keeps it on CPU (cpu_offload)
-            hooks.at("infer_critic")
-        maybe_flush(scenario, rec, "infer_critic")
 
     # ---- learn (coati/trainer/ppo.py) --------------------------------------------------------
     if not gemini:  # offload_inference_models: Gemini places its own models
@@ -97,7 +75,7 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
     actor.train()
     critic.train()
     rec.moved_to_device(experience)  # the sampled experience goes back to the device
-    with rec.phase("train_actor"):
+    with steps("train_actor"):
         logits = actor(input_ids=seq, attention_mask=attention_mask)["logits"]
         new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
         actor_loss = ppo.actor_loss_fn(new_log_probs[:, start:], log_probs[:, start:], advantages,
@@ -106,17 +84,13 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
         actor_optim.step()
         actor_optim.zero_grad()
         del logits, new_log_probs
-        hooks.at("train_actor")
-    maybe_flush(scenario, rec, "train_actor")
-    with rec.phase("train_critic"):
+    with steps("train_critic"):
         new_values = critic(seq, attention_mask)[:, :-1]
         critic_loss = ppo.critic_loss_fn(new_values[:, start:], values[:, start:], returns, action_mask[:, start:])
         critic_booster.backward(loss=critic_loss, optimizer=critic_optim)
         critic_optim.step()
         critic_optim.zero_grad()
         del new_values
-        hooks.at("train_critic")
-    maybe_flush(scenario, rec, "train_critic")
     return {
         "algorithm": "ppo", "critic_built": True,
         "actor_loss": float(actor_loss.detach().float()),

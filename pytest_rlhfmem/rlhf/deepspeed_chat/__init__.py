@@ -7,9 +7,14 @@ One small package, read bottom up; each module imports only those below it:
   train/eval configs (``dschat/utils/ds_utils.py``);
 - ``builders.py``: the models and engines (``rlhf_engine.py``: actor, reference, critic, reward; the
   critic/reward model of ``reward_model.py``; LoRA), and Hydra-PPO's one model with two adapters;
+- ``experience.py``: what every iteration makes the same way: the actor's answers (phases ``generate``,
+  ``generate_greedy``) and the reward model's scores;
 - ``ppo_iteration.py``: PPO (``ppo_trainer.py``: ``generate_experience``, ``train_rlhf``);
   ``critic_free_iteration.py``: ReMax and GRPO; ``hydra_iteration.py``: Hydra-PPO;
 - this module: :func:`run_iteration`, the one entry (the rank worker and the fake-CUDA route call it).
+
+Every phase is a step of ``common.PhaseSteps`` (``with steps("infer_actor"):``): the recorder marks it, the fault
+hook fires at its end, the flush policy empties the cache after it.
 
 The rewards, advantages and losses are the framework-free code of ``rlhf/ppo.py`` and ``rlhf/critic_free.py``,
 shared with the ColossalChat recipe; the two recipes import nothing from each other.

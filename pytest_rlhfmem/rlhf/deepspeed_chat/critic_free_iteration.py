@@ -16,10 +16,11 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import critic_free, ppo
-from ..common import FaultHooks, maybe_flush, random_prompts
+from ..common import PhaseSteps, full_attention_mask, random_prompts
 from ..scenario import DEFAULT_GROUP_SIZE, Scenario
 from .builders import init_actor_and_ref, init_reward, offloaded_tensors, optimizer_state_summary
 from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, scenario_settings
+from .experience import generate, reward_scores
 
 
 def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -38,73 +39,47 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
     train_cfg = get_train_ds_config(stage, offload, dtype, batch, world_size, buckets)
     eval_cfg = get_eval_ds_config(ref_stage, offload, dtype, batch, world_size, buckets)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
-    hooks = FaultHooks(scenario, rank)
+    steps = PhaseSteps(scenario, rec, rank)
 
-    with rec.phase("init"):
+    with steps("init"):
         actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, train_cfg, eval_cfg, dtype, device,
                                                       lora_dim, only_lora)
         reward_engine = init_reward(scenario, pair, rec,
                                     get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets),
                                     dtype)
-        hooks.at("init")
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, st["batch"], prompt_len, device)
-    if grpo:  # a group of samples per prompt, adjacent
+    prompts, prompt_mask, pad_id = random_prompts(pair, st["batch"], prompt_len, device)  # [prompts, prompt_len]
+    if grpo:  # a group of samples per prompt, adjacent: [b, prompt_len], b = prompts * group_size
         prompts, prompt_mask = prompts.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
-    gen = {"attention_mask": prompt_mask, "max_new_tokens": answer_len, "min_new_tokens": answer_len,
-           "pad_token_id": pad_id, "synced_gpus": stage == 3, "use_cache": True}
     actor_engine.eval()
-    with rec.phase("generate"):
-        with torch.no_grad():
-            seq = actor_engine.module.generate(prompts, do_sample=True, **gen)
-        hooks.at("generate")
-    maybe_flush(scenario, rec, "generate")
-    greedy = None
-    if not grpo:
-        with rec.phase("generate_greedy"):  # ReMax's baseline: the argmax response
-            with torch.no_grad():
-                greedy = actor_engine.module.generate(prompts, do_sample=False, **gen)
-            hooks.at("generate_greedy")
-        maybe_flush(scenario, rec, "generate_greedy")
-    attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
-                                                        device=device)], dim=1)
-    with torch.no_grad():
-        with rec.phase("infer_actor"):
-            logits = actor_engine(seq, attention_mask=attention_mask).logits
-            log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_actor")
-        maybe_flush(scenario, rec, "infer_actor")
-        with rec.phase("infer_reference"):
-            logits = ref_engine(seq, attention_mask=attention_mask).logits
-            ref_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_reference")
-        maybe_flush(scenario, rec, "infer_reference")
-        with rec.phase("infer_reward"):
-            score = reward_engine.module.forward_value(seq, attention_mask, prompt_length=prompt_len)
-            score = score["chosen_end_scores"]
-            baseline = None
-            if greedy is not None:
-                baseline = reward_engine.module.forward_value(greedy, attention_mask, prompt_length=prompt_len)
-                baseline = baseline["chosen_end_scores"]
-            hooks.at("infer_reward")
-        maybe_flush(scenario, rec, "infer_reward")
+    # [b, prompt_len + answer_len] each; ReMax's argmax answers are its baseline (None for GRPO)
+    seq, greedy = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, greedy=not grpo,
+                           synced_gpus=stage == 3)
+    attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
+    with torch.no_grad():  # the actor stays in eval mode; each forward is reduced to its log-probs at once
+        with steps("infer_actor"):  # [b, prompt_len + answer_len - 1]
+            log_probs = ppo.sequence_log_probs(actor_engine(seq, attention_mask=attention_mask).logits, seq)
+        with steps("infer_reference"):  # [b, prompt_len + answer_len - 1]
+            ref_log_probs = ppo.sequence_log_probs(ref_engine(seq, attention_mask=attention_mask).logits, seq)
+        with steps("infer_reward"):  # [b] each
+            score = reward_scores(reward_engine, seq, attention_mask, prompt_len)
+            baseline = None if greedy is None else reward_scores(reward_engine, greedy, attention_mask, prompt_len)
 
     actor_engine.train()
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_enable()
-    start = prompt_len - 1
-    action_mask = attention_mask[:, 1:]
-    with rec.phase("train_actor"):
+    start = prompt_len - 1  # the answer's log-probs start here
+    action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+    with steps("train_actor"):
         with torch.no_grad():
             if grpo:
-                advantages = critic_free.group_advantages(score, group)
+                advantages = critic_free.group_advantages(score, group)  # [b]
             else:
-                returns = critic_free.remax_returns(start, log_probs, ref_log_probs, score, baseline, action_mask)
-        logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits
-        new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-        mask = action_mask[:, start:]
+                returns = critic_free.remax_returns(start, log_probs, ref_log_probs, score, baseline,
+                                                    action_mask)  # [b, answer_len]
+        logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits  # kept to the step
+        new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])  # [b, prompt_len + answer_len - 1]
+        mask = action_mask[:, start:]  # [b, answer_len]
         if grpo:
             actor_loss = critic_free.grpo_loss(new_log_probs[:, start:], log_probs[:, start:],
                                                ref_log_probs[:, start:], advantages, mask)
@@ -114,8 +89,6 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
         actor_engine.step()
         del logits, new_log_probs
         rec.host_resident(offloaded_tensors(actor_engine, offload))
-        hooks.at("train_actor")
-    maybe_flush(scenario, rec, "train_actor")
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()
     return {

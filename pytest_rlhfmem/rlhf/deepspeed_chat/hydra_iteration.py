@@ -16,10 +16,11 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import ppo
-from ..common import FaultHooks, maybe_flush, random_prompts
+from ..common import PhaseSteps, full_attention_mask, random_prompts
 from ..scenario import Scenario
 from .builders import adapter_params, build_hydra, make_optimizer, optimizer_state_summary
 from .configs import get_train_ds_config, scenario_settings
+from .experience import generate
 
 
 def run_hydra_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -33,9 +34,9 @@ def run_hydra_iteration(scenario: Scenario, rec: Recorder, device: str, rank: in
     lora_dim = st["lora_dim"] or 8  # the pair's model family was checked by Scenario (HYDRA_FAMILIES)
     train_cfg = get_train_ds_config(0, False, dtype, batch, world_size, pair.bucket_elements)
     torch.manual_seed(scenario.get("seed", 1234) + rank)
-    hooks = FaultHooks(scenario, rank)
+    steps = PhaseSteps(scenario, rec, rank)
 
-    with rec.phase("init"):
+    with steps("init"):
         model, hydra = build_hydra(pair, lora_dim, dtype, scenario.get("actor_path"))
         params = adapter_params(model)
         for p in model.parameters():  # only adapters train (the backbone and the reward head are Hydra-SFT's)
@@ -45,50 +46,31 @@ def run_hydra_iteration(scenario: Scenario, rec: Recorder, device: str, rank: in
         optimizer = make_optimizer(torch.nn.ParameterList(params), False, device)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=train_cfg)
         model.set_adapter("actor")
-        hooks.at("init")
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)
+    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
     engine.eval()
-    with rec.phase("generate"):
-        with torch.no_grad():
-            seq = hydra.lm.generate(prompts, attention_mask=prompt_mask, max_new_tokens=answer_len,
-                                    min_new_tokens=answer_len, do_sample=True, pad_token_id=pad_id, use_cache=True)
-        hooks.at("generate")
-    maybe_flush(scenario, rec, "generate")
-    attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
-                                                        device=device)], dim=1)
-    with torch.no_grad():
-        with rec.phase("infer_actor"):
-            logits = engine(seq, attention_mask=attention_mask, head="lm")
-            log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-            del logits
-            hooks.at("infer_actor")
-        maybe_flush(scenario, rec, "infer_actor")
+    seq, _ = generate(steps, hydra.lm, prompts, prompt_mask, pad_id, answer_len)  # [b, prompt_len + answer_len]
+    attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
+    with torch.no_grad():  # log-probs and values: [b, prompt_len + answer_len - 1]; the reward score: [b]
+        with steps("infer_actor"):
+            log_probs = ppo.sequence_log_probs(engine(seq, attention_mask=attention_mask, head="lm"), seq)
         with model.disable_adapter():  # LoRA off: the Hydra-SFT model is the reference and the reward
-            with rec.phase("infer_reference"):
-                logits = engine(seq, attention_mask=attention_mask, head="lm")
-                ref_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-                del logits
-                hooks.at("infer_reference")
-            maybe_flush(scenario, rec, "infer_reference")
-            with rec.phase("infer_reward"):
+            with steps("infer_reference"):
+                ref_log_probs = ppo.sequence_log_probs(engine(seq, attention_mask=attention_mask, head="lm"), seq)
+            with steps("infer_reward"):
                 reward_score = engine(seq, attention_mask=attention_mask, head="value")[:, -1]
-                hooks.at("infer_reward")
-            maybe_flush(scenario, rec, "infer_reward")
-        with rec.phase("infer_critic"):
+        with steps("infer_critic"):
             model.set_adapter("critic")
             values = engine(seq, attention_mask=attention_mask, head="value")[:, :-1]
-            hooks.at("infer_critic")
-        maybe_flush(scenario, rec, "infer_critic")
 
     engine.train()
-    start = prompt_len - 1
-    action_mask = attention_mask[:, 1:]
-    with rec.phase("train_actor"):
+    start = prompt_len - 1  # the answer's log-probs start here
+    action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+    with steps("train_actor"):
         model.set_adapter("actor")
         with torch.no_grad():
             rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
-            advantages, returns = ppo.get_advantages_and_returns(values, rewards, start)
+            advantages, returns = ppo.get_advantages_and_returns(values, rewards, start)  # [b, answer_len]
         logits = engine(seq, attention_mask=attention_mask, head="lm")
         new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
         actor_loss = ppo.actor_loss_fn(new_log_probs[:, start:], log_probs[:, start:], advantages,
@@ -96,17 +78,13 @@ def run_hydra_iteration(scenario: Scenario, rec: Recorder, device: str, rank: in
         engine.backward(actor_loss)
         engine.step()
         del logits, new_log_probs
-        hooks.at("train_actor")
-    maybe_flush(scenario, rec, "train_actor")
-    with rec.phase("train_critic"):
+    with steps("train_critic"):
         model.set_adapter("critic")
         value = engine(seq, attention_mask=attention_mask, head="value")[:, :-1]
         critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
         engine.backward(critic_loss)
         engine.step()
         del value
-        hooks.at("train_critic")
-    maybe_flush(scenario, rec, "train_critic")
     backbone = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and "modules_to_save" not in n)
     return {
         "algorithm": "ppo", "layout": "hydra", "adapters": sorted(model.peft_config), "critic_built": True,

@@ -7,8 +7,8 @@ Follows microsoft/DeepSpeedExamples ``applications/DeepSpeed-Chat``: ``dschat/rl
 (``generate_experience`` and ``train_rlhf``). Facts: ``shared/reference/rlhf-frameworks.md``.
 
 Reads top to bottom: build the four engines (phase ``init``: ``builders.py``), then ``generate``, the four
-inference forwards, and the actor and critic updates. The recorder marks each phase; the flush policy
-empties the cache where it says.
+inference forwards, and the actor and critic updates. Each phase is a step (``common.PhaseSteps``): the recorder
+marks it, the fault hook fires at its end, and the flush policy empties the cache after it where it says.
 
 Settings that DeepSpeed-Chat's step-3 script for the pair passes (``configs.ppo_setting``; for ``opt-1.3b``
 ``run_1.3b.sh``: batch 4, the Hybrid Engine, EMA, actor dropout 0) are the defaults; the Hybrid Engine is
@@ -21,7 +21,7 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import ppo
-from ..common import FaultHooks, maybe_flush, random_prompts, resolve_dtype
+from ..common import PhaseSteps, full_attention_mask, random_prompts, resolve_dtype
 from ..models import get_pair
 from ..scenario import Scenario
 from .builders import (
@@ -31,6 +31,7 @@ from .builders import (
 from .configs import (
     STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, largest_parameter, per_engine, ppo_setting,
 )
+from .experience import generate, reward_scores
 
 
 def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int, world_size: int) -> dict:
@@ -59,9 +60,9 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
                  if hybrid_engine else train_cfg)
     ema = bool(ppo_setting(scenario, "ema"))  # --enable_ema
     torch.manual_seed(scenario.get("seed", 1234) + rank)
-    hooks = FaultHooks(scenario, rank)
+    steps = PhaseSteps(scenario, rec, rank)
 
-    with rec.phase("init"):
+    with steps("init"):
         actor_engine, ref_engine = init_actor_and_ref(scenario, pair, rec, actor_cfg, eval_cfg, dtype, device,
                                                       lora_dim, only_lora, actor_dropout)
         # rlhf_engine.py builds actor, reference, EMA, critic, reward in that order
@@ -80,76 +81,57 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
                                     get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets,
                                                        nvme),
                                     dtype)
-        hooks.at("init")
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # left-padded
+    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
 
     # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
     for engine in (actor_engine, critic_engine, reward_engine, ref_engine):  # self.eval(); the Hybrid Engine's
         engine.eval()  # eval() empties the cache under ZeRO-3
-    with rec.phase("generate"):
-        with torch.no_grad():
-            seq = actor_engine.module.generate(
-                prompts, attention_mask=prompt_mask, max_new_tokens=answer_len, min_new_tokens=answer_len,
-                do_sample=True, pad_token_id=pad_id, synced_gpus=stage == 3, use_cache=True)
-        hooks.at("generate")
-    maybe_flush(scenario, rec, "generate")
+    seq, _ = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len,
+                      synced_gpus=stage == 3)  # [b, prompt_len + answer_len]
     actor_engine.train()  # self.train(): the experience forwards of actor and critic run in train mode
     critic_engine.train()  # (dropout on, under no_grad), as ppo_trainer.py does
-    attention_mask = torch.cat([prompt_mask, torch.ones(batch, seq.shape[1] - prompt_len, dtype=prompt_mask.dtype,
-                                                        device=device)], dim=1)
-    with torch.no_grad():
-        with rec.phase("infer_actor"):
-            output = actor_engine(seq, attention_mask=attention_mask)
-            hooks.at("infer_actor")
-        maybe_flush(scenario, rec, "infer_actor")
-        with rec.phase("infer_reference"):
-            output_ref = ref_engine(seq, attention_mask=attention_mask)
-            hooks.at("infer_reference")
-        maybe_flush(scenario, rec, "infer_reference")
-        with rec.phase("infer_reward"):
-            reward_score = reward_engine.module.forward_value(seq, attention_mask,
-                                                              prompt_length=prompt_len)["chosen_end_scores"]
-            hooks.at("infer_reward")
-        maybe_flush(scenario, rec, "infer_reward")
-        with rec.phase("infer_critic"):
+    attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
+    with torch.no_grad():  # the full outputs are kept until the critic's forward, as generate_experience does
+        with steps("infer_actor"):
+            output = actor_engine(seq, attention_mask=attention_mask)  # logits [b, prompt_len + answer_len, vocab]
+        with steps("infer_reference"):
+            output_ref = ref_engine(seq, attention_mask=attention_mask)  # likewise
+        with steps("infer_reward"):
+            reward_score = reward_scores(reward_engine, seq, attention_mask, prompt_len)  # [b]
+        with steps("infer_critic"):
+            # [b, prompt_len + answer_len - 1] each: values, and the log-prob of each token after the first
             values = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-            log_probs = ppo.gather_log_probs(output.logits[:, :-1, :], seq[:, 1:])
-            ref_log_probs = ppo.gather_log_probs(output_ref.logits[:, :-1, :], seq[:, 1:])
+            log_probs = ppo.sequence_log_probs(output.logits, seq)
+            ref_log_probs = ppo.sequence_log_probs(output_ref.logits, seq)
             del output, output_ref
-            hooks.at("infer_critic")
-        maybe_flush(scenario, rec, "infer_critic")
 
     # ---- train_rlhf (ppo_trainer.py): actor and critic are still in train mode ------------------
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_enable()  # only for the update, as DeepSpeed-Chat
-    start = prompt_len - 1
-    action_mask = attention_mask[:, 1:]
-    with rec.phase("train_actor"):
+    start = prompt_len - 1  # the answer's log-probs start here
+    action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+    with steps("train_actor"):
         with torch.no_grad():
             old_rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
-            advantages, returns = ppo.get_advantages_and_returns(values, old_rewards, start)
-        actor_logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits
-        actor_log_prob = ppo.gather_log_probs(actor_logits[:, :-1, :], seq[:, 1:])
+            advantages, returns = ppo.get_advantages_and_returns(values, old_rewards, start)  # [b, answer_len]
+        actor_logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits  # kept to the step
+        actor_log_prob = ppo.gather_log_probs(actor_logits[:, :-1, :], seq[:, 1:])  # [b, prompt_len + answer_len - 1]
         actor_loss = ppo.actor_loss_fn(actor_log_prob[:, start:], log_probs[:, start:], advantages,
                                        action_mask[:, start:])
         actor_engine.backward(actor_loss)
         actor_engine.step()
         del actor_logits, actor_log_prob
         rec.host_resident(offloaded_tensors(actor_engine, offload))  # optimizer states appear at step 1
-        hooks.at("train_actor")
-    maybe_flush(scenario, rec, "train_actor")
-    with rec.phase("train_critic"):
+    with steps("train_critic"):
         value = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
         critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
         critic_engine.backward(critic_loss)
         critic_engine.step()
         del value
         rec.host_resident(offloaded_tensors(critic_engine, offload))
-        hooks.at("train_critic")
-    maybe_flush(scenario, rec, "train_critic")
     if ema_engine is not None:  # step 3's main.py: after each train_rlhf
-        with rec.phase("ema"):
+        with rec.phase("ema"):  # marked only: not one of the scenario's phases (no fault hook, no flush)
             moving_average(actor_engine, ema_engine, zero_stage=stage)
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()

@@ -103,7 +103,7 @@ def test_a_bad_trace_file_is_one_clear_error(tmp_path, damage, fragment):
 @pytest.mark.parametrize("policy", ["after-inference", "after-training", "after-both"])
 def test_inserting_a_policy_into_the_flushless_trace_gives_the_policy_runs_trace(policy):
     """Positions are exact: the FLUSH lands right after the phase's end mark, before the allocations
-    between phases, where the recipes' maybe_flush calls empty_cache."""
+    between phases, where the recipes' phase step (PhaseSteps) calls empty_cache."""
     flush_after = {"after-inference": ("generate",), "after-training": ("train_actor",),
                    "after-both": ("generate", "train_actor")}[policy]
     program, _ = program_events(phased())

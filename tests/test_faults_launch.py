@@ -43,7 +43,7 @@ def test_timeout_bounds_the_wait_on_the_op_build_lock(tmp_path):
     with FileLock(str(lock)):  # another run building DeepSpeed's ops, for longer than this run's timeout
         t0 = time.monotonic()
         p = cli("run", "--device", "cpu", "--world-size", "1", "--timeout", "3", cwd=tmp_path, timeout=120,
-                env={"XDG_CACHE_HOME": str(cache), "TMPDIR": str(tmp_path)})
+                env={"RLHFMEM_CACHE_DIR": str(lock.parent), "TMPDIR": str(tmp_path)})
         elapsed = time.monotonic() - t0
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1, p.stderr

@@ -7,8 +7,8 @@ marks: ``memory/flushes.program_events``), the same with the recorded flushes, i
 both as columns for the compiled replay core.
 
 Boundaries are where a flush can go: after each phase's code (the ``phase_end`` mark the recorder writes,
-exactly where the recipes' ``maybe_flush`` calls ``empty_cache``); in a trace without phase ends (older
-results), at the next phase's start; in a trace without phases (a user's snapshot), at the moment of
+exactly where the recipes' phase step, ``rlhf/common.py: PhaseSteps``, calls ``empty_cache``); in a trace without
+phase ends (older results), at the next phase's start; in a trace without phases (a user's snapshot), at the moment of
 least live memory in each of 8 equal slices of the trace (where a flush can release the most). A flush
 after the last event cannot change anything, so it is never a boundary: a capture of a script that marks
 no phases (one window, ``run``) has no flush boundary at all (``MARKS_HINT`` says what to add).
@@ -27,7 +27,7 @@ from ..memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 from ..memory.trace_io import TraceFileError, load_trace, resolve_trace_path
 
 WINDOWS = 8  # boundaries of a trace without phases
-POLICY_FLUSH_PREFIX = "after-"  # the flush policy's FLUSH names: after-<phase> (rlhf/common.py maybe_flush)
+POLICY_FLUSH_PREFIX = "after-"  # the flush policy's FLUSH names: after-<phase> (rlhf/common.py PhaseSteps)
 
 
 MARKS_HINT = ("no phase marks: the whole program is one window (run), so no flush placement can be advised; "
@@ -130,7 +130,7 @@ class ScenarioInput:
 
 def _is_library_flush(e: Event) -> bool:
     """A flush the recipe's code or a library made (``empty_cache@<file>:<line>``, e.g. DeepSpeed's ZeRO-2 init and
-    Hybrid Engine), not the flush policy's (``after-<phase>``, rlhf/common.py ``maybe_flush``)."""
+    Hybrid Engine), not the flush policy's (``after-<phase>``, rlhf/common.py ``PhaseSteps``)."""
     return not e.name.startswith(POLICY_FLUSH_PREFIX)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 TENSORS = ("fake", "sim")
-POLICY_FLUSH = "after-"  # rlhf/common.py maybe_flush: the flush policy's FLUSH marks are "after-<phase>"
+POLICY_FLUSH = "after-"  # rlhf/common.py PhaseSteps: the flush policy's FLUSH marks are "after-<phase>"
 ENV_SAVE_TRACE = "RLHFMEM_FAKECUDA_SAVE_TRACE"  # set: write each run's trace beside its result (.rlhftrace)
 
 

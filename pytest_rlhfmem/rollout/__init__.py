@@ -1,0 +1,12 @@
+"""A colocated rollout engine's device memory (vLLM's sleep mode), as a stand-in: ``engine.py``.
+
+docs/colocated-rollout.md says which semantics are followed and where they were read.
+"""
+
+from .engine import (
+    CUDA_GRAPH, KV_CACHE, NEXT_ROLLOUT, SLEEP_LEVELS, WEIGHTS, ColocatedEngine, EngineSettingsError,
+    colocated_trace, kv_cache_bytes,
+)
+
+__all__ = ["CUDA_GRAPH", "KV_CACHE", "NEXT_ROLLOUT", "SLEEP_LEVELS", "WEIGHTS", "ColocatedEngine",
+           "EngineSettingsError", "colocated_trace", "kv_cache_bytes"]

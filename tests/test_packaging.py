@@ -54,8 +54,9 @@ def test_the_wheel_in_a_fresh_venv_captures_on_the_simulated_device_and_replays(
     """No editable install and no checkout on the path: a new virtual environment whose only pytest_rlhfmem is the
     wheel's, its dependencies (torch, transformers ...) reached through a ``.pth`` line naming this environment's
     site-packages (a ``.pth`` line adds the directory, not the editable finder installed there). Run from a
-    directory outside the checkout: ``rlhfmem capture --device cuda-sim`` of a CUDA script (the device's C++ is
-    built from the wheel's sources), then ``rlhfmem replay`` of the snapshot it saved."""
+    directory outside the checkout: ``rlhfmem capture --device cuda-sim`` of the generate + PPO loop written for a
+    GPU runner (the device's C++ is built from the wheel's sources; values on: its generation loop stops on EOS),
+    twice with the same figures, then ``rlhfmem replay`` of the snapshot it saved."""
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
@@ -68,17 +69,21 @@ def test_the_wheel_in_a_fresh_venv_captures_on_the_simulated_device_and_replays(
                            capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    script = tmp_path / "train.py"
-    shutil.copy2(ROOT / "tests" / "data" / "commands" / "cuda_train.py", script)
-    snaps = tmp_path / "snaps"
-    r = subprocess.run([str(env_dir / "bin" / "rlhfmem"), "capture", "--device", "cuda-sim", "--id", "wheel",
-                        "--snapshot-dir", str(snaps), "--json", str(tmp_path / "result.json"), "--", str(py),
-                        str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["capture"] == "sim-cuda-simulated" and result["status"] == "ok"
-    (snap,) = snaps.glob("*.pickle")
+    script = tmp_path / "hf_generate_ppo.py"  # the generate + PPO loop of tests/test_sim_values.py, unchanged
+    shutil.copy2(ROOT / "tests" / "data" / "commands" / "hf_generate_ppo.py", script)
+    runs = []
+    for k in range(2):
+        snaps, out = tmp_path / f"snaps{k}", tmp_path / f"result{k}.json"
+        r = subprocess.run([str(env_dir / "bin" / "rlhfmem"), "capture", "--device", "cuda-sim", "--id", "wheel",
+                            "--snapshot-dir", str(snaps), "--json", str(out), "--", str(py), str(script)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads(out.read_text())
+        assert result["capture"] == "sim-cuda-simulated" and result["status"] == "ok"
+        runs.append((result["metrics"]["peak_reserved"], result["metrics"]["peak_allocated"], snaps))
+    assert runs[0][:2] == runs[1][:2]  # the same figures twice
+    (snap,) = runs[0][2].glob("*.pickle")
     r = subprocess.run([str(env_dir / "bin" / "rlhfmem"), "replay", str(snap), "--json"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["simulated"]["peak_allocated"] == result["metrics"]["peak_allocated"]
+    assert json.loads(r.stdout)["simulated"]["peak_allocated"] == runs[0][1]

@@ -71,10 +71,15 @@ REPORTED_NOT_BUDGETED = {
 # bytes in DeepSpeed's swap staging buffers (record/host.py). Gated only where an entry records them:
 # entry_from_result writes them for results that held staging buffers, so no other entry changes.
 SWAP_BUDGETS = ("storage_read_bytes", "storage_write_bytes", "host_staging_bytes")
-SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS
+# a colocated rollout engine's scenarios only (docs/colocated-rollout.md): the bytes it maps outside the caching
+# allocator at once, and reserved + those at their peak (simulated)
+ENGINE_METRIC_NAMES = ("engine_mapped_peak", "peak_device_used")
+SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS + ENGINE_METRIC_NAMES
 COUNT_BUDGETS = ("cuda_malloc_count", "alloc_retries")
 BUDGET_METRICS = DEVICE_SIZE_BUDGETS + COUNT_BUDGETS + HOST_BUDGETS  # compared for every entry
-_KNOWN_METRICS = BUDGET_METRICS + SWAP_BUDGETS
+_KNOWN_METRICS = BUDGET_METRICS + SWAP_BUDGETS + ENGINE_METRIC_NAMES
+# groups an entry names together or not at all (entry_from_result writes each whole where the result has it)
+OPTIONAL_GROUPS = (SWAP_BUDGETS, ENGINE_METRIC_NAMES)
 
 
 @dataclass(frozen=True)
@@ -291,8 +296,9 @@ def incomplete(path: str | Path, entry: BudgetEntry) -> str | None:
     :data:`SWAP_BUDGETS` when it names one of them (``entry_from_result`` writes them together); else one line
     naming the file, the entry and the missing metrics (an entry cut short would otherwise pass unchecked)."""
     missing = [m for m in BUDGET_METRICS if m not in entry.metrics]
-    if any(m in entry.metrics for m in SWAP_BUDGETS):
-        missing += [m for m in SWAP_BUDGETS if m not in entry.metrics]
+    for group in OPTIONAL_GROUPS:
+        if any(m in entry.metrics for m in group):
+            missing += [m for m in group if m not in entry.metrics]
     if not missing:
         return None
     return (f"{path}: entry {entry.id!r}.metrics: missing {', '.join(missing)}; every entry gates "
@@ -327,7 +333,7 @@ def compare(bf: BudgetFile, entry: BudgetEntry, measured: dict[str, int | None])
     """One row per budgeted metric. ``over`` when measured exceeds the tolerance; ``under`` when it is
     lower than the budget by more than the tolerance (an improvement worth recording)."""
     rows = []
-    for m in BUDGET_METRICS + tuple(m for m in SWAP_BUDGETS if m in entry.metrics):
+    for m in BUDGET_METRICS + tuple(m for g in OPTIONAL_GROUPS for m in g if m in entry.metrics):
         tol = entry.tolerances.get(m, bf.defaults.get(m, Tolerance()))
         b, v = entry.metrics.get(m), measured.get(m)
         if b is None:
@@ -393,8 +399,11 @@ def entry_from_result(result: dict) -> dict:
     m = result["metrics"]
     metrics: dict[str, Any] = {}
     for k in SIZE_BUDGETS:
-        if k not in SWAP_BUDGETS or m.get("host_staging_bytes"):
-            metrics[k] = format_size(int(m.get(k) or 0), exact=True)
+        if k in SWAP_BUDGETS and not m.get("host_staging_bytes"):
+            continue
+        if k in ENGINE_METRIC_NAMES and k not in m:
+            continue
+        metrics[k] = format_size(int(m.get(k) or 0), exact=True)
     for k in COUNT_BUDGETS:
         metrics[k] = int(m.get(k) or 0)
     v = result.get("versions", {})

@@ -127,3 +127,39 @@ def test_an_engine_that_never_sleeps_crowds_the_trainers_training(deepspeed_chat
     assert awake.external_peak == info["engine_mapped_bytes"]
     assert awake.total.alloc_retries + awake.total.ooms > 0
     assert sleeping.total.alloc_retries + sleeping.total.ooms < awake.total.alloc_retries + awake.total.ooms
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sleep_level": 1}, "override sleep_level sets the colocated rollout engine: it needs rollout_engine=True"),
+    ({"rollout_engine": True, "sleep_level": 3}, "override sleep_level=3: allowed values are 0 (never sleeps), 1, 2"),
+    ({"rollout_engine": True, "gpu_memory_utilization": 1.2},
+     "override gpu_memory_utilization=1.2: allowed values are in (0, 1]"),
+    ({"rollout_engine": True, "capacity_mib": 0}, "override capacity_mib=0: allowed values are 1 MiB or more"),
+    ({"rollout_engine": True, "flush_before_wake_up": "yes"},
+     "override flush_before_wake_up='yes' must be of type bool"),
+])
+def test_scenario_overrides_of_the_engine_are_one_line(overrides, message):
+    from pytest_rlhfmem.rlhf.scenario import Scenario, ScenarioError
+
+    with pytest.raises(ScenarioError) as exc:
+        Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, overrides)
+    assert str(exc.value) == message
+    with pytest.raises(ScenarioError, match="flag of DeepSpeed-Chat's PPO script"):
+        Scenario("deepspeed-chat", "tiny-opt", "none", "none", 1, {"rollout_engine": True}, "grpo")
+    s = Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, {"rollout_engine": True, "sleep_level": 2})
+    assert s.id.endswith("/x1/rollout_engine=True,sleep_level=2")
+
+
+def test_the_recorders_stream_keeps_mappings_and_drops_the_engines_temporaries():
+    """record/recorder.py EventStream: EXTERNAL_MAP/UNMAP marks become events; inside ``engine_region`` a block
+    allocated and freed there leaves the trace, one that outlives it (the rollout) stays."""
+    from pytest_rlhfmem.record.recorder import EventStream
+
+    marks = [(EXTERNAL_MAP, (2, 4 * MiB, KV_CACHE)), ("engine_enter", None), ("engine_exit", None),
+             (EXTERNAL_UNMAP, (2, 4 * MiB, KV_CACHE))]
+    stream = EventStream(marks)
+    stream.feed([(1000, 0, 1, 0, 0), (2000, 1, 1, 1, 0), (3000, 2, 0, 0xA, 100), (4000, 3, 0, 0xB, 200),
+                 (5000, 4, 0, 0xA, -100), (6000, 5, 1, 2, 0), (7000, 6, 0, 0xB, -200), (8000, 7, 1, 3, 0)])
+    got = [(e.action, e.addr, e.size, e.name) for e in stream.take()]
+    assert got == [(EXTERNAL_MAP, 2, 4 * MiB, KV_CACHE), (ALLOC, 0xB, 200, ""), (FREE, 0xB, 200, ""),
+                   (EXTERNAL_UNMAP, 2, 4 * MiB, KV_CACHE)]

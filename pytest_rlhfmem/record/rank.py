@@ -67,6 +67,9 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
             d.update({k: v for k, v in cuda.items() if k != "inactive_split_bytes"})
         phases.append(d)
     total = result.total.to_dict()
+    if result.external_peak or result.external_map_failures:  # a colocated engine's mappings (memory/events.py)
+        total["engine_mapped_peak"] = result.external_peak  # bytes mapped outside the caching allocator at once
+        total["peak_device_used"] = result.peak_device_used  # reserved + engine mapped, at its peak
     if is_cuda and phases:
         for k in ("peak_reserved", "peak_allocated"):
             total[k] = max(total[k], *(p[k] for p in phases))

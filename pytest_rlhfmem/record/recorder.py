@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from . import emulation
 from ..memory.allocator import SEGMENT_PLACEMENT_KEY, AllocatorConfig
 from ..memory.driver_va import ABOVE_LAST
-from ..memory.events import CUBLAS_WORKSPACE
+from ..memory.events import CUBLAS_WORKSPACE, EXTERNAL_MAP, EXTERNAL_UNMAP
 from .host import HostMemory
 from ..memory.trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, FREE_REQUESTED, PHASE,
@@ -329,6 +329,36 @@ class Recorder:
         self.host_bytes_annotated += sum(n for _, n in st)
         self._mark("host_resident", st)
 
+    def external_map(self, map_id: int, size: int, tag: str) -> None:
+        """Another allocator of this process maps ``size`` bytes of the device now, outside the caching allocator (a
+        colocated rollout engine's ``wake_up``: vLLM's ``CuMemAllocator``): an ``EXTERNAL_MAP`` event (``map_id``
+        unique among the live mappings, ``tag`` its name; memory/events.py). CPU and simulated-device captures
+        only: on CUDA the mapping is real and outside the memory history; raises ``RuntimeError`` there."""
+        self._mark_external(EXTERNAL_MAP, map_id, size, tag)
+
+    def external_unmap(self, map_id: int, size: int, tag: str) -> None:
+        """The other allocator releases mapping ``map_id`` (``sleep``): an ``EXTERNAL_UNMAP`` event; as
+        :meth:`external_map`."""
+        self._mark_external(EXTERNAL_UNMAP, map_id, size, tag)
+
+    def _mark_external(self, kind: str, map_id: int, size: int, tag: str) -> None:
+        if self.device == "cuda":
+            raise RuntimeError(f"{kind} {tag}: device memory outside the caching allocator is recorded on the CPU and "
+                               "simulated devices only (on CUDA the real engine's mappings are not in the history)")
+        self._mark(kind, (map_id, size, tag))
+
+    @contextlib.contextmanager
+    def engine_region(self) -> Iterator[None]:
+        """Work a colocated rollout engine does in this process (its ``generate``, run here by a stand-in): device
+        allocations made inside and freed inside are the engine's, not the trainer's, and leave the trace (its KV
+        cache and weights are :meth:`external_map` mappings); those that outlive the region (the rollout handed to
+        the trainer) stay. CPU and simulated-device captures."""
+        self._mark("engine_enter", None)
+        try:
+            yield
+        finally:
+            self._mark("engine_exit", None)
+
     def moved_to_host(self, tensors: Iterable) -> None:
         self._mark("to_host", _storages(tensors))
 
@@ -504,6 +534,7 @@ class EventStream:
         self.taken: dict[int, int] = {}  # ptr -> bytes: live ALLOCs already taken by the reader
         self.host: set[int] = set()  # ptrs whose next free is a host free
         self.late_host_resident = 0
+        self.engine: set[int] | None = None  # inside Recorder.engine_region: ptrs allocated there, still live
 
     def take(self) -> list[Event]:
         """The events since the last take; their live ALLOCs are remembered by size only."""
@@ -527,8 +558,13 @@ class EventStream:
                 if size > 0:
                     live[ptr] = len(out)
                     out.append(Event(ALLOC, ptr, size, 0, t_us))
+                    if self.engine is not None:
+                        self.engine.add(ptr)
                 elif ptr in host:
                     host.discard(ptr)
+                elif self.engine is not None and ptr in self.engine and ptr in live:
+                    self.engine.discard(ptr)  # the engine's own temporary: neither its ALLOC nor its FREE stays
+                    out[live.pop(ptr)] = None
                 else:
                     self._pop(ptr)
                     out.append(Event(FREE, ptr, -size, 0, t_us))
@@ -541,6 +577,12 @@ class EventStream:
                 out.append(Event(mkind, 0, 0, 0, t_us, str(payload)))
             elif mkind in (POOL_ENTER, POOL_EXIT):
                 out.append(Event(mkind, payload[0], payload[1], 0, t_us))  # type: ignore[index]
+            elif mkind in (EXTERNAL_MAP, EXTERNAL_UNMAP):
+                out.append(Event(mkind, payload[0], payload[1], 0, t_us, payload[2]))  # type: ignore[index]
+            elif mkind == "engine_enter":
+                self.engine = set()
+            elif mkind == "engine_exit":
+                self.engine = None
             elif mkind == "host_resident":
                 for ptr, _n in payload:  # type: ignore[union-attr]
                     i, taken = self._pop(ptr)
@@ -641,12 +683,12 @@ class SoFar:
                 model.release_pool(pool_id)
 
     def figures(self) -> dict:
-        """``peak_reserved``, ``peak_allocated`` so far (bytes, simulated) and ``rows``: the recorder rows they
-        cover (rows the emulation holds back count with the next call)."""
+        """``peak_reserved``, ``peak_allocated`` and ``allocated`` (now) so far (bytes, simulated) and ``rows``: the
+        recorder rows they cover (rows the emulation holds back count with the next call)."""
         st = self.model.stats
         held = len(self.emulator.rows) if self.emulator is not None else 0
         return {"peak_reserved": st.peak_reserved_bytes, "peak_allocated": st.peak_allocated_bytes,
-                "rows": self.rows_fed - held}
+                "allocated": st.allocated_bytes, "rows": self.rows_fed - held}
 
 
 def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device: int = 0) -> Trace:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from ..record.recorder import PhaseRecord, Recorder
+from ..rollout import ColocatedEngine, EngineStandIn
 from .models import ModelPair
 from .scenario import Scenario
 
@@ -127,3 +128,25 @@ class PhaseSteps:
             self.hooks.at(name)
         if name in self.flush_after:
             self.rec.flush(f"after-{name}")
+
+
+DEFAULT_CAPACITY_MIB = 81920  # an 80 GiB card: what a colocated engine sizes its KV cache against by default
+
+
+def rollout_stand_in(scenario: Scenario, rec: Recorder, actor: torch.nn.Module, dtype: torch.dtype
+                     ) -> EngineStandIn | None:
+    """A colocated rollout engine for ``scenario`` (override ``rollout_engine``; ``None`` without it), started now:
+    its weights the actor's parameters in ``dtype`` (bytes; ZeRO-3's ``ds_numel``: the whole parameter, as vLLM
+    holds it), ``gpu_memory_utilization`` (default 0.3, TRL's), ``sleep_level`` (default 1; 0: never sleeps),
+    ``flush_before_wake_up`` (default True: TRL's ``empty_cache()`` before ``wake_up``), its KV cache sized against
+    ``capacity_mib`` (default an 80 GiB card). Raises ``rollout.EngineSettingsError`` when no KV cache fits."""
+    if not scenario.get("rollout_engine"):
+        return None
+    elements = sum(int(getattr(p, "ds_numel", p.numel())) for p in actor.parameters())
+    engine = ColocatedEngine(weights_bytes=elements * torch.empty((), dtype=dtype).element_size(),
+                             gpu_memory_utilization=scenario.get("gpu_memory_utilization", 0.3),
+                             sleep_level=scenario.get("sleep_level", 1) or None,
+                             flush_before_wake_up=scenario.get("flush_before_wake_up", True))
+    stand_in = EngineStandIn(engine, rec, scenario.get("capacity_mib", DEFAULT_CAPACITY_MIB) * 2**20)
+    stand_in.start()
+    return stand_in

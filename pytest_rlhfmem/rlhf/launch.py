@@ -37,6 +37,7 @@ from ..hostcpu import fp16_answer
 from ..record.recorder import history_settings
 from ..record.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
+from ..budgets import ENGINE_METRIC_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -233,6 +234,9 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     except ValueError as exc:
         raise ScenarioError(str(exc)) from None
     device = resolve_device(device, (nodes or Nodes()).local_world_size(scenario.world_size))  # GPUs of this node
+    if scenario.get("rollout_engine") and device == "cuda":
+        raise ScenarioError("override rollout_engine=True: the colocated engine is a stand-in recorded on the CPU "
+                            "and simulated devices; on a GPU the real engine's own mappings are not recorded yet")
     if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
         try:
             history_settings()
@@ -674,10 +678,12 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
     ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
     first = ranks[0] if ranks else {}
     # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)
-    names = METRIC_NAMES + HOST_METRIC_NAMES + HOST_IO_NAMES + HOST_SWAP_NAMES + ("host_rss_outside_device",)
+    names = METRIC_NAMES + HOST_METRIC_NAMES + HOST_IO_NAMES + HOST_SWAP_NAMES + ("host_rss_outside_device",) + \
+        ENGINE_METRIC_NAMES
     metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in names} if ranks else {}
-    if not any("host_rss_outside_device" in r["total"] for r in ranks):
-        metrics.pop("host_rss_outside_device", None)
+    for m in ("host_rss_outside_device",) + ENGINE_METRIC_NAMES:  # only where a rank has them
+        if not any(m in r["total"] for r in ranks):
+            metrics.pop(m, None)
     phase_names = [p["phase"] for p in first.get("phases", [])]
     phases = {}
     for name in phase_names:

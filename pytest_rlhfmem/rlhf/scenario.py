@@ -43,10 +43,20 @@ OVERRIDES: dict[str, type] = {
     # the Hybrid Engine injects DeepSpeed's inference kernels into OPT, as the study's DeepSpeed did (0.19.8 keeps
     # transformers 5's OPT native); fake-CUDA route only (fakecuda/inference_kernels.py)
     "hybrid_engine_kernels": bool,
+    # a colocated rollout engine (vLLM's sleep mode, a stand-in: pytest_rlhfmem/rollout/engine.py) generates the
+    # rollout; DeepSpeed-Chat's PPO only, CPU and simulated devices (docs/colocated-rollout.md)
+    "rollout_engine": bool,
+    "sleep_level": int,  # 1 or 2 (Worker.sleep(level)); 0: the engine never sleeps
+    "gpu_memory_utilization": float,  # vLLM's, in (0, 1]; default 0.3 (TRL's vllm_gpu_memory_utilization)
+    "flush_before_wake_up": bool,  # the trainer's empty_cache() right before wake_up (TRL's sync_weights)
+    "capacity_mib": int,  # the device the engine sizes its KV cache against (MiB; default 81920, an 80 GiB card)
 }
+ROLLOUT_ENGINE_SETTINGS = ("sleep_level", "gpu_memory_utilization", "flush_before_wake_up", "capacity_mib")
+SLEEP_LEVELS = (0, 1, 2)  # 0: never sleeps
 NULLABLE = ("actor_dropout",)  # None: not set (actor_dropout None keeps the model config's dropout)
 # overrides that are a DeepSpeed-Chat training-script flag
-DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels")
+DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels", "rollout_engine",
+                       *ROLLOUT_ENGINE_SETTINGS)
 
 
 class ScenarioError(ValueError):
@@ -100,6 +110,7 @@ class Scenario:
         if self.overrides.get("hybrid_engine_kernels") and self.overrides.get("hybrid_engine") is False:
             raise ScenarioError("override hybrid_engine_kernels=True injects the Hybrid Engine's kernels: it needs "
                                 "hybrid_engine True (or unset where the pair's script enables it), got False")
+        self._check_rollout_engine()
         if "group_size" in self.overrides:
             if self.algorithm != "grpo":
                 raise ScenarioError(f"override group_size applies to algorithm grpo only, not {self.algorithm!r}")
@@ -107,13 +118,31 @@ class Scenario:
                 raise ScenarioError(f"override group_size={self.overrides['group_size']!r}: GRPO normalises rewards "
                                     "within a group, so it needs at least 2 samples per prompt (group_size >= 2)")
 
+    def _check_rollout_engine(self) -> None:
+        """The colocated engine's overrides: one line naming the allowed values."""
+        o = self.overrides
+        given = [k for k in ROLLOUT_ENGINE_SETTINGS if k in o]
+        if given and not o.get("rollout_engine"):
+            raise ScenarioError(f"override {given[0]} sets the colocated rollout engine: it needs rollout_engine=True")
+        if o.get("sleep_level", 1) not in SLEEP_LEVELS:
+            raise ScenarioError(f"override sleep_level={o['sleep_level']!r}: allowed values are 0 (never sleeps), 1, 2")
+        u = o.get("gpu_memory_utilization", 0.3)
+        if not 0.0 < u <= 1.0:
+            raise ScenarioError(f"override gpu_memory_utilization={u!r}: allowed values are in (0, 1]")
+        if o.get("capacity_mib", 1) <= 0:
+            raise ScenarioError(f"override capacity_mib={o['capacity_mib']!r}: allowed values are 1 MiB or more")
+        if o.get("rollout_engine") and self.strategy == "hydra":
+            raise ScenarioError("override rollout_engine=True: the colocated engine is wired into DeepSpeed-Chat's "
+                                "PPO iteration, not Hydra-PPO's (strategy hydra)")
+
     @property
     def id(self) -> str:
         alg = "" if self.algorithm == "ppo" else f"/{self.algorithm}"  # PPO ids stay as they always were
         base = f"{self.framework}/{self.models}/{self.strategy}{alg}/flush-{self.flush}/x{self.world_size}"
         shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
                  if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype",
-                          "group_size", "ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels")]
+                          "group_size", "ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels",
+                          "rollout_engine", *ROLLOUT_ENGINE_SETTINGS)]
         return base + ("/" + ",".join(shape) if shape else "")
 
     def get(self, key: str, default: Any = None) -> Any:

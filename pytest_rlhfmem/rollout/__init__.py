@@ -4,9 +4,9 @@ docs/colocated-rollout.md says which semantics are followed and where they were 
 """
 
 from .engine import (
-    CUDA_GRAPH, KV_CACHE, NEXT_ROLLOUT, SLEEP_LEVELS, WEIGHTS, ColocatedEngine, EngineSettingsError,
+    CUDA_GRAPH, KV_CACHE, NEXT_ROLLOUT, SLEEP_LEVELS, WEIGHTS, ColocatedEngine, EngineSettingsError, EngineStandIn,
     colocated_trace, kv_cache_bytes,
 )
 
 __all__ = ["CUDA_GRAPH", "KV_CACHE", "NEXT_ROLLOUT", "SLEEP_LEVELS", "WEIGHTS", "ColocatedEngine",
-           "EngineSettingsError", "colocated_trace", "kv_cache_bytes"]
+           "EngineSettingsError", "EngineStandIn", "colocated_trace", "kv_cache_bytes"]

@@ -25,6 +25,8 @@ them is what the trainer's cudaMalloc can have, and a wake-up the device cannot 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..memory.events import ALLOC, EXTERNAL_MAP, EXTERNAL_UNMAP, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, \
@@ -221,3 +223,63 @@ def colocated_trace(trace: Trace, engine: ColocatedEngine, capacity: int, genera
             "trainer_allocated_at_start": trainer_allocated, "generate_allocations_dropped": len(drop)}
     return (Trace(events=out, initial_segments=trace.initial_segments, allocator_settings=trace.allocator_settings,
                   capture=trace.capture, source=trace.source, device=trace.device), info)
+
+
+class EngineStandIn:
+    """The engine's calls in a recorded run, where the frameworks make them: ``start`` as the trainer's ``init``
+    ends (``LLM(...)``, asleep at once in sleep mode), then around each rollout ``with stand_in.rollout():`` (the
+    trainer's flush if asked, ``wake_up(["weights"])``, ``wake_up(["kv_cache"])``; the body's allocations made and
+    freed inside are the engine's, not the trainer's; ``sleep(level)`` and its ``empty_cache()`` after).
+
+    ``rec``: the rank's recorder (:meth:`~pytest_rlhfmem.record.recorder.Recorder.external_map`, ``external_unmap``,
+    ``engine_region``, ``flush``, ``figures_so_far``). ``capacity``: the device's bytes the KV cache is sized
+    against. Its mappings are numbers in the trace, never memory: the replay's capacity decides what fits.
+    """
+
+    def __init__(self, engine: ColocatedEngine, rec, capacity: int) -> None:
+        self.engine, self.rec, self.capacity = engine, rec, capacity
+        self.sizes: dict[str, int] | None = None
+        self.awake = False
+
+    def start(self) -> dict[str, int]:
+        """``LLM(...)``: the mappings sized against the trainer's allocated bytes so far (simulated:
+        ``figures_so_far``; 0 where the recorder cannot say), mapped, and put to sleep in sleep mode. Returns the
+        sizes. Raises :class:`EngineSettingsError` when no KV cache fits."""
+        so_far = self.rec.figures_so_far() if hasattr(self.rec, "figures_so_far") else None
+        trainer = int((so_far or {}).get("allocated", 0))
+        self.sizes = self.engine.sizes(self.capacity, trainer)
+        self.sizes_info = {**self.sizes, "trainer_allocated_at_start": trainer}
+        self._apply(self.engine.start_events(self.sizes))
+        self.awake = self.engine.sleep_level is None
+        return self.sizes
+
+    @contextlib.contextmanager
+    def rollout(self) -> Iterator[None]:
+        """One rollout: wake up (in sleep mode), the body in the engine's region, sleep again."""
+        assert self.sizes is not None, "EngineStandIn.rollout before start"
+        if not self.awake:
+            self._apply(self.engine.wake_events(self.sizes))
+        with self.rec.engine_region():
+            yield
+        if self.engine.sleep_level is not None:
+            self._apply(self.engine.sleep_events(self.sizes))
+            self.awake = False
+        else:
+            self.awake = True
+
+    def wake_up(self) -> None:
+        """The next rollout's wake-up alone (a recorded run is one iteration: this is the moment after training
+        that the next one begins with, phase :data:`NEXT_ROLLOUT` in the recipe)."""
+        assert self.sizes is not None, "EngineStandIn.wake_up before start"
+        if not self.awake:
+            self._apply(self.engine.wake_events(self.sizes))
+            self.awake = True
+
+    def _apply(self, events: list[Event]) -> None:
+        for e in events:
+            if e.action == EXTERNAL_MAP:
+                self.rec.external_map(e.addr, e.size, e.name)
+            elif e.action == EXTERNAL_UNMAP:
+                self.rec.external_unmap(e.addr, e.size, e.name)
+            elif e.action == FLUSH:
+                self.rec.flush(e.name)

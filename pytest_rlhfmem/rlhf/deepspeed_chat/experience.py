@@ -13,6 +13,7 @@ does; ReMax, GRPO and Hydra-PPO reduce each forward to its log-probs at once.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -21,15 +22,18 @@ from ..common import PhaseSteps
 
 
 def generate(steps: PhaseSteps, model: Any, prompts: torch.Tensor, prompt_mask: torch.Tensor, pad_id: int,
-             answer_len: int, *, greedy: bool = False, **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+             answer_len: int, *, greedy: bool = False, rollout: Any = None,
+             **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Phase ``generate``: ``model.generate`` samples an answer to each prompt, without gradients; with ``greedy``
     then phase ``generate_greedy``: ReMax's baseline, the argmax answer to each prompt. ``prompts`` and
     ``prompt_mask`` are ``[b, prompt_len]`` (left-padded: ``common.random_prompts``); ``options`` go to both
-    ``generate`` calls (the engines' ``synced_gpus``). Returns the sampled sequences and the greedy ones (None
-    without ``greedy``), each ``[b, prompt_len + answer_len]``."""
+    ``generate`` calls (the engines' ``synced_gpus``). ``rollout``: a colocated engine's stand-in
+    (``rollout.EngineStandIn``): it wakes up inside ``generate`` and the sampling is its work (what the actor's
+    ``generate`` allocates and frees there leaves the trace), then it sleeps. Returns the sampled sequences and the
+    greedy ones (None without ``greedy``), each ``[b, prompt_len + answer_len]``."""
     kwargs = {"attention_mask": prompt_mask, "max_new_tokens": answer_len, "min_new_tokens": answer_len,
               "pad_token_id": pad_id, "use_cache": True, **options}
-    with steps("generate"), torch.no_grad():
+    with steps("generate"), torch.no_grad(), (rollout.rollout() if rollout is not None else contextlib.nullcontext()):
         seq = model.generate(prompts, do_sample=True, **kwargs)  # [b, prompt_len + answer_len]
     baseline = None
     if greedy:

@@ -21,7 +21,8 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import ppo
-from ..common import PhaseSteps, full_attention_mask, random_prompts, resolve_dtype
+from ...rollout import NEXT_ROLLOUT
+from ..common import PhaseSteps, full_attention_mask, random_prompts, resolve_dtype, rollout_stand_in
 from ..models import get_pair
 from ..scenario import Scenario
 from .builders import (
@@ -81,13 +82,14 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
                                     get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets,
                                                        nvme),
                                     dtype)
+        rollout = rollout_stand_in(scenario, rec, actor_engine.module, dtype)  # LLM(...) last, as TRL; or None
 
     prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
 
     # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
     for engine in (actor_engine, critic_engine, reward_engine, ref_engine):  # self.eval(); the Hybrid Engine's
         engine.eval()  # eval() empties the cache under ZeRO-3
-    seq, _ = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len,
+    seq, _ = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, rollout=rollout,
                       synced_gpus=stage == 3)  # [b, prompt_len + answer_len]
     actor_engine.train()  # self.train(): the experience forwards of actor and critic run in train mode
     critic_engine.train()  # (dropout on, under no_grad), as ppo_trainer.py does
@@ -135,6 +137,9 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
             moving_average(actor_engine, ema_engine, zero_stage=stage)
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()
+    if rollout is not None:  # the next iteration begins by waking the engine up beside what training left cached
+        with rec.phase(NEXT_ROLLOUT):
+            rollout.wake_up()
     states = {"actor": optimizer_state_summary(actor_engine), "critic": optimizer_state_summary(critic_engine)}
     return {
         "algorithm": "ppo", "optimizer_states": states,

@@ -1,0 +1,77 @@
+"""A colocated rollout engine in DeepSpeed-Chat's PPO iteration on CPU (issue 40): vLLM's sleep mode as a stand-in
+(pytest_rlhfmem/rollout/engine.py), tiny OPT, one rank, the engine's KV cache sized for a 128 MiB simulated card at
+gpu_memory_utilization 0.71; checked against baselines/cpu/colocated_cpu.yaml (engine_mapped_peak and
+peak_device_used beside the usual figures). Every device figure is simulated (the CPU trace, the engine's mappings
+as EXTERNAL_MAP events, replayed through the allocator model); docs/colocated-rollout.md says what is modelled."""
+
+import pytest
+
+from pytest_rlhfmem.memory.allocator import MiB
+from pytest_rlhfmem.memory.replay import replay
+from pytest_rlhfmem.memory.trace_io import load_trace
+from pytest_rlhfmem.rollout import NEXT_ROLLOUT
+
+CAPACITY_MIB = 128  # the simulated card the engine sizes its KV cache against, and the replays below run at
+ENGINE = {"rollout_engine": True, "capacity_mib": CAPACITY_MIB, "gpu_memory_utilization": 0.71}
+
+
+def scenario(**overrides):
+    from pytest_rlhfmem.rlhf.scenario import Scenario
+
+    return Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, overrides)
+
+
+SCENARIOS = {
+    "engine-off": scenario(),
+    "sleep-1-flush": scenario(**ENGINE),  # TRL's order: empty_cache() before wake_up
+    "sleep-1-no-flush": scenario(**ENGINE, flush_before_wake_up=False),
+    "sleep-2-flush": scenario(**ENGINE, sleep_level=2),
+    "never-sleeps": scenario(**ENGINE, sleep_level=0),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_iteration_within_budget(name, iteration_result, memory_budget):
+    result = iteration_result(SCENARIOS[name])
+    assert result.simulated and result.capture == "cpu-trace-simulated"
+    engine = name != "engine-off"
+    assert ("engine_mapped_peak" in result.metrics) == engine
+    if engine:  # the engine's mappings are outside the trainer's reserved bytes, and count on the device
+        assert result.metrics["peak_device_used"] > result.metrics["peak_reserved"]
+        assert NEXT_ROLLOUT in result.phases
+    memory_budget.check(result)
+
+
+def _at_capacity(result):
+    return replay(load_trace(result["ranks"][0]["trace_file"]), capacity=CAPACITY_MIB * MiB)
+
+
+def test_the_flush_before_wake_up_decides_whether_the_engine_wakes_up(iteration_result):
+    """The seed study's finding, colocated, on the recipe's own trace at the card's capacity (simulated): after
+    training the trainer's allocator holds cached blocks; without its flush the next rollout's wake-up cannot map
+    the KV cache (an OOM the engine raises; nothing of the trainer's cache is released for it), with it it fits."""
+    held = _at_capacity(iteration_result(SCENARIOS["sleep-1-no-flush"]))
+    flushed = _at_capacity(iteration_result(SCENARIOS["sleep-1-flush"]))
+    assert [(f["name"], f["phase"]) for f in held.external_map_failures] == [("kv_cache", NEXT_ROLLOUT)]
+    assert held.total.ooms == 1
+    assert flushed.external_map_failures == [] and flushed.total.ooms == 0
+    assert flushed.peak_device_used <= CAPACITY_MIB * MiB < held.peak_device_used + held.external_map_failures[0][
+        "bytes"]
+
+
+def test_sleep_levels_release_the_same_device_bytes(iteration_result):
+    """vLLM's sleep(1) and sleep(2) both unmap every CuMemAllocator mapping; level 1 keeps the weights on the host."""
+    one = iteration_result(SCENARIOS["sleep-1-flush"]).metrics
+    two = iteration_result(SCENARIOS["sleep-2-flush"]).metrics
+    for m in ("engine_mapped_peak", "peak_device_used", "peak_reserved"):
+        assert one[m] == two[m], m
+
+
+def test_an_engine_that_never_sleeps_crowds_training(iteration_result):
+    """Without sleep mode the engine stays mapped through training: at the card's capacity the trainer's training
+    retries or fails, where the sleeping engine's run fits."""
+    awake = _at_capacity(iteration_result(SCENARIOS["never-sleeps"]))
+    sleeping = _at_capacity(iteration_result(SCENARIOS["sleep-1-flush"]))
+    assert sleeping.total.alloc_retries == 0 and sleeping.total.ooms == 0
+    training = [p for p in awake.phases if p.phase in ("train_actor", "train_critic")]
+    assert sum(p.alloc_retries + p.ooms for p in training) > 0

@@ -163,3 +163,12 @@ def test_the_recorders_stream_keeps_mappings_and_drops_the_engines_temporaries()
     got = [(e.action, e.addr, e.size, e.name) for e in stream.take()]
     assert got == [(EXTERNAL_MAP, 2, 4 * MiB, KV_CACHE), (ALLOC, 0xB, 200, ""), (FREE, 0xB, 200, ""),
                    (EXTERNAL_UNMAP, 2, 4 * MiB, KV_CACHE)]
+
+
+def test_the_fake_cuda_route_refuses_the_engine_in_one_line(tmp_path):
+    from pytest_rlhfmem.fakecuda.run import run_fake_cuda
+    from pytest_rlhfmem.rlhf.scenario import Scenario
+
+    with pytest.raises(ValueError, match="rollout_engine=True: the colocated engine runs on the CPU route"):
+        run_fake_cuda(Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, {"rollout_engine": True}),
+                      work_dir=tmp_path)

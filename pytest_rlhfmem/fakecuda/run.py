@@ -59,6 +59,9 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
         cmd += ["--without-flush-out", str(plain_out)]
     env = dict(os.environ, DS_ACCELERATOR="cuda", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS=str(scenario.get("threads", 1)), PYTHONUNBUFFERED="1")
+    if scenario.get("rollout_engine"):
+        raise ValueError("rollout_engine=True: the colocated engine runs on the CPU route (device cpu); the "
+                         "fake-CUDA route does not record its mappings (docs/colocated-rollout.md)")
     if scenario.get("hybrid_engine_kernels"):
         from ..rlhf.deepspeed_chat.configs import ppo_setting
 

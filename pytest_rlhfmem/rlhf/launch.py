@@ -235,8 +235,8 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         raise ScenarioError(str(exc)) from None
     device = resolve_device(device, (nodes or Nodes()).local_world_size(scenario.world_size))  # GPUs of this node
     if scenario.get("rollout_engine") and device == "cuda":
-        raise ScenarioError("override rollout_engine=True: the colocated engine is a stand-in recorded on the CPU "
-                            "and simulated devices; on a GPU the real engine's own mappings are not recorded yet")
+        raise ScenarioError("override rollout_engine=True: the colocated engine is a stand-in run on the CPU "
+                            "route; on a GPU the real engine's own mappings are not recorded yet")
     if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
         try:
             history_settings()

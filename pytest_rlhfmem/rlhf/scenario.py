@@ -44,7 +44,7 @@ OVERRIDES: dict[str, type] = {
     # transformers 5's OPT native); fake-CUDA route only (fakecuda/inference_kernels.py)
     "hybrid_engine_kernels": bool,
     # a colocated rollout engine (vLLM's sleep mode, a stand-in: pytest_rlhfmem/rollout/engine.py) generates the
-    # rollout; DeepSpeed-Chat's PPO only, CPU and simulated devices (docs/colocated-rollout.md)
+    # rollout; DeepSpeed-Chat's PPO only, the CPU route (docs/colocated-rollout.md)
     "rollout_engine": bool,
     "sleep_level": int,  # 1 or 2 (Worker.sleep(level)); 0: the engine never sleeps
     "gpu_memory_utilization": float,  # vLLM's, in (0, 1]; default 0.3 (TRL's vllm_gpu_memory_utilization)

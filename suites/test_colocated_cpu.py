@@ -75,3 +75,29 @@ def test_an_engine_that_never_sleeps_crowds_training(iteration_result):
     assert sleeping.total.alloc_retries == 0 and sleeping.total.ooms == 0
     training = [p for p in awake.phases if p.phase in ("train_actor", "train_critic")]
     assert sum(p.alloc_retries + p.ooms for p in training) > 0
+
+
+def test_advise_names_the_flush_that_lets_the_engine_wake_up(iteration_result, tmp_path):
+    """``rlhfmem advise --capacity 128MiB`` on the run without the flush (simulated): every candidate replays at the
+    card's capacity because the trace maps memory outside the caching allocator; the unchanged program's OOM is the
+    engine's wake-up, and the recommendation is a flush after training that removes it."""
+    import copy
+    import json
+
+    from pytest_rlhfmem.advise import advise
+    from pytest_rlhfmem.memory.trace_io import store_beside
+
+    data = copy.deepcopy(iteration_result(SCENARIOS["sleep-1-no-flush"]).data)
+    path = tmp_path / "no-flush.json"
+    store_beside([data], path)
+    path.write_text(json.dumps(data))
+    s = advise(path, capacity=CAPACITY_MIB * MiB, processes=1)["scenarios"][0]
+    assert s["baseline"]["ooms"] == 1 and s["baseline"]["external_map_failures"] == 1
+    assert "--capacity 128.00 MiB for every candidate" in s["assumptions"]["replay"]
+    best = s["candidates"][0]
+    assert best["ooms"] == 0 and best["flushes_at"] and best["flushes_at"][0] in ("train_actor", "train_critic")
+    assert s["recommendation"]["candidate"] == best["id"]
+    assert "removes the 1 OOM(s)" in s["recommendation"]["text"] and "colocated engine's wake-up" in \
+        s["recommendation"]["text"]
+    unlimited = advise(path, processes=1)["scenarios"][0]  # no device: nothing to fit, nothing recommended for it
+    assert unlimited["baseline"]["ooms"] == 0

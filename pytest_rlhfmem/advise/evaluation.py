@@ -19,6 +19,9 @@ from .candidates import Spec
 from .inputs import RankInput
 
 _RANKS: list[RankInput] = []  # the ranks being evaluated: fork hands them to the pool's workers
+# the device's bytes every candidate without its own capacity replays against (None: unlimited): set where the
+# traces map device memory outside the caching allocator (a colocated engine) and a capacity is given
+_DEVICE_CAPACITY: list[int | None] = [None]
 
 
 def _spec_config(ri: RankInput, spec: Spec) -> AllocatorConfig:
@@ -44,7 +47,8 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
     trace = cols if cols is not None else Trace(events=events, initial_segments=ri.trace.initial_segments,
                                                 allocator_settings=ri.trace.allocator_settings,
                                                 capture=ri.trace.capture)
-    res = replay(trace, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=spec.capacity,
+    capacity = spec.capacity if spec.capacity is not None else _DEVICE_CAPACITY[0]
+    res = replay(trace, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=capacity,
                  record_series=False, engine="auto", flush_at=positions, flush_names=names)
     t = res.total
     return {"rank": ri.rank, "peak_reserved": t.peak_reserved, "fragmentation_at_peak": t.fragmentation_at_peak,
@@ -53,15 +57,20 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
             "bytes_acquired": sum(s for _, s in res.segment_allocs) + sum(s for _, s in res.segment_maps),
             "alloc_retries": t.alloc_retries,
             "ooms": t.ooms, "peak_allocated": t.peak_allocated,
-            "flushes": len(res.flushes), "engine": res.engine}
+            "flushes": len(res.flushes), "engine": res.engine,
+            # a colocated engine's mappings that the device could not back (memory/events.py: EXTERNAL_MAP)
+            "external_map_failures": len(res.external_map_failures), "peak_device_used": res.peak_device_used}
 
 
 class Evaluator:
-    """Replays candidates on every rank, with a cache; ``processes`` > 1 uses a fork pool."""
+    """Replays candidates on every rank, with a cache; ``processes`` > 1 uses a fork pool. ``device_capacity``
+    (bytes): what candidates without their own capacity replay against (``None``: unlimited)."""
 
-    def __init__(self, ranks: list[RankInput], processes: int) -> None:
+    def __init__(self, ranks: list[RankInput], processes: int, device_capacity: int | None = None) -> None:
         global _RANKS
         _RANKS = ranks
+        _DEVICE_CAPACITY[0] = device_capacity
+        self.device_capacity = device_capacity
         self.ranks = ranks
         self.cache: dict[Spec, dict] = {}
         self.replays = 0
@@ -109,7 +118,8 @@ def _aggregate(rows: list[dict]) -> dict:
     top = max(rows, key=lambda d: d["peak_reserved"])
     out = {k: max((d[k] or 0) for d in rows) for k in ("peak_reserved", "fragmentation_at_peak", "cuda_malloc",
                                                        "cuda_free", "bytes_acquired", "alloc_retries", "ooms",
-                                                       "peak_allocated", "flushes")}
+                                                       "peak_allocated", "flushes", "external_map_failures",
+                                                       "peak_device_used")}
     out["peak_phase"] = top["peak_phase"]
     out["peak_rank"] = top["rank"]
     engines = {d["engine"] for d in rows}

@@ -183,8 +183,12 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
         "candidates": ranked,
         "not_evaluated": not_evaluated,
         "assumptions": {"gc_capacity": gc_capacity, "gc_capacity_source": cap_source,
-                        "replay": "free-running (the model's own cudaMalloc/cudaFree decisions, no device "
-                                  "limit except for garbage_collection_threshold candidates)"},
+                        "replay": ("free-running (the model's own cudaMalloc/cudaFree decisions, no device "
+                                   "limit except for garbage_collection_threshold candidates)"
+                                   if evaluator.device_capacity is None else
+                                   f"free-running at --capacity {format_size(evaluator.device_capacity)} for every "
+                                   "candidate: the trace maps device memory outside the caching allocator (a "
+                                   "colocated rollout engine), which fits or not only against a device")},
         "search": {"method": "greedy forward selection over boundaries before the current peak",
                    "max_flushes": max_flushes, "steps": search_steps},
         "premise": _premise(si, evaluator, rows_by_id),
@@ -232,6 +236,13 @@ def _premise(si: ScenarioInput, ev: Evaluator, rows: dict) -> dict:
 def _recommend(best: dict, base: dict, torch_version: str | None = None) -> dict:
     """The best candidate in words; a setting also names the environment variable the run's PyTorch reads
     (``env``: ``allocator.alloc_conf_variable``; unknown version for a snapshot)."""
+    if base["ooms"] and not best["ooms"] and best["id"] != "none":  # at the device's capacity: what makes it fit
+        engine = (f", {base['external_map_failures']} of them a colocated engine's wake-up"
+                  if base.get("external_map_failures") else "")
+        return {"candidate": best["id"],
+                "text": (f"{best['description']}: removes the {base['ooms']} OOM(s) of the unchanged program at "
+                         f"the device's capacity{engine} (peak reserved {format_size(best['peak_reserved'])}, "
+                         f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree)")}
     if best["peak_reserved"] >= base["peak_reserved"] or best["id"] == "none":
         return {"candidate": "none", "text": (f"no flush placement or evaluated setting lowers peak reserved below "
                                                f"{format_size(base['peak_reserved'])}: keep the program as it is")}
@@ -272,7 +283,10 @@ def advise(path: str | Path, max_flushes: int = DEFAULT_MAX_FLUSHES, budget: int
     procs = processes if processes is not None else min(2, os.cpu_count() or 1)
     sections = []
     for si in inputs:
-        ev = Evaluator(si.ranks, procs)
+        # a colocated engine's mappings only matter against a device: every candidate replays at --capacity then
+        mapped = any(ri.program_columns is not None and ri.program_columns.has_external_mappings() for ri in si.ranks)
+        external = capacity if capacity and mapped else None
+        ev = Evaluator(si.ranks, procs, external)
         try:
             sections.append(advise_scenario(si, ev, max_flushes, budget, capacity, settings=tuple(settings)))
         finally:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .events import ALLOC, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, SEGMENT_FREE, Event, Trace
+from .events import (
+    ALLOC, EXTERNAL_MAP, EXTERNAL_UNMAP, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, SEGMENT_FREE, Event, Trace,
+)
 from .recorded import recorded_release_batches
 from .replay import FREE_RUNNING, replay
 
@@ -20,7 +22,8 @@ RECORDED_FLUSH = "recorded-empty_cache"  # the name of a flush read off a CUDA s
 
 def program_events(trace: Trace, keep_flush: Callable[[Event], bool] | None = None
                    ) -> tuple[list[Event], list[Event]]:
-    """``(program, as_recorded)``: the program's own events (alloc, free, phase marks) without any flush
+    """``(program, as_recorded)``: the program's own events (alloc, free, phase marks, another allocator's
+    mappings: ``EXTERNAL_MAP``/``EXTERNAL_UNMAP``) without any flush
     or allocator decision, and the same with the recorded flushes as FLUSH events. ``keep_flush``: FLUSH
     events it accepts stay in the program too (the advisor keeps a recipe's library calls, which every flush
     policy's run makes).
@@ -36,7 +39,7 @@ def program_events(trace: Trace, keep_flush: Callable[[Event], bool] | None = No
     recorded: list[Event] = []
     for i, e in enumerate(trace.events):
         a = e.action
-        if a in (ALLOC, FREE, FREE_REQUESTED, PHASE, PHASE_END):
+        if a in (ALLOC, FREE, FREE_REQUESTED, PHASE, PHASE_END, EXTERNAL_MAP, EXTERNAL_UNMAP):
             program.append(e)
             recorded.append(e)
         elif a == FLUSH:

@@ -8,12 +8,20 @@
 - the ``iteration_result`` fixture: ``iteration_result(scenario, device="cpu")``, the session's result of that
   scenario if a suite test already ran it, else a fresh run: tests that compare scenarios (the methods
   suite's) reuse the budget tests' iterations instead of running them again.
+- the ``package_files``, ``project_wheel`` and ``wheel_venv`` fixtures: the package's tracked files, the project's
+  wheel, and a fresh virtual environment whose only pytest_rlhfmem is that wheel (tests/test_packaging.py; the TRL
+  suite runs its scripts from one).
 
 Only this file is named ``conftest.py`` above ``tests/`` and ``suites/`` (which run in one session): the
 helpers live in the package module ``pytest_rlhfmem.matrix``, never imported from a conftest by name.
 """
 
 import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
 from pathlib import Path
 
 import pytest
@@ -78,3 +86,56 @@ def iteration_result(ppo_iteration, request):
         return cache[(scenario.id, device)]
 
     return get
+
+
+def tracked_package_files() -> list[str]:
+    """The package's files as git tracks them (in an sdist, the files on disk), relative to the rootdir."""
+    root = Path(__file__).parent
+    tracked = subprocess.run(["git", "ls-files", "pytest_rlhfmem"], cwd=root, capture_output=True, text=True,
+                             check=False).stdout.split()
+    if not tracked:  # not a git checkout (an sdist): the files on disk are the package
+        tracked = [str(p.relative_to(root)) for p in (root / "pytest_rlhfmem").rglob("*") if p.is_file()
+                   and "__pycache__" not in p.parts]
+    return tracked
+
+
+@pytest.fixture(scope="session")
+def package_files() -> list[str]:
+    """:func:`tracked_package_files`, for the tests that check what a wheel carries."""
+    return tracked_package_files()
+
+
+@pytest.fixture(scope="session")
+def project_wheel(tmp_path_factory) -> Path:
+    """The project's wheel, built by setuptools (``pip wheel --no-build-isolation``) from a copy of the tracked files,
+    so that its build/ stays out of the checkout."""
+    root = Path(__file__).parent
+    out = tmp_path_factory.mktemp("wheel")
+    src = out / "src"
+    for f in tracked_package_files() + ["pyproject.toml", "README.md"]:
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / f, src / f)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(out), str(src)], check=True, capture_output=True, timeout=300)
+    (built,) = out.glob("pytest_rlhfmem-*.whl")
+    return built
+
+
+@pytest.fixture
+def wheel_venv(project_wheel, tmp_path) -> Path:
+    """A new virtual environment (its directory) whose only pytest_rlhfmem is :func:`project_wheel` (no editable
+    install, no checkout on the path); its dependencies (torch, transformers ...) come from this environment's
+    site-packages through a ``.pth`` line, written after the install (a ``.pth`` line adds the directory, not the
+    editable finder installed there). Run it with ``PYTHONPATH`` unset, from outside the checkout."""
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q",
+                    str(project_wheel)], check=True, capture_output=True, timeout=300)
+    (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")  # after: pip saw no other install
+    where = subprocess.run([str(py), "-c", "import pytest_rlhfmem; print(pytest_rlhfmem.__file__)"], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
+    return env_dir

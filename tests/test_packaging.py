@@ -9,65 +9,25 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import sysconfig
-import venv
 import zipfile
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def tracked_files() -> list[str]:
-    tracked = subprocess.run(["git", "ls-files", "pytest_rlhfmem"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
-    if not tracked:  # not a git checkout (an sdist): the files on disk are the package
-        tracked = [str(p.relative_to(ROOT)) for p in (ROOT / "pytest_rlhfmem").rglob("*") if p.is_file()
-                   and "__pycache__" not in p.parts]
-    return tracked
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The project's wheel, built by setuptools from a copy of the tracked files (its build/ stays out of the
-    checkout)."""
-    out = tmp_path_factory.mktemp("wheel")
-    src = out / "src"
-    for f in tracked_files() + ["pyproject.toml", "README.md"]:
-        (src / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / f, src / f)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(out), str(src)], check=True, capture_output=True, timeout=300)
-    (built,) = out.glob("pytest_rlhfmem-*.whl")
-    return built
-
-
-def test_the_wheel_carries_every_file_of_the_package(wheel):
-    carried = set(zipfile.ZipFile(wheel).namelist())
-    missing = sorted(f for f in tracked_files() if f not in carried)
+def test_the_wheel_carries_every_file_of_the_package(project_wheel, package_files):
+    carried = set(zipfile.ZipFile(project_wheel).namelist())
+    missing = sorted(f for f in package_files if f not in carried)
     assert not missing, f"the wheel lacks {missing}: add them to [tool.setuptools.package-data] in pyproject.toml"
 
 
-def test_the_wheel_in_a_fresh_venv_captures_on_the_simulated_device_and_replays(wheel, tmp_path):
+def test_the_wheel_in_a_fresh_venv_captures_on_the_simulated_device_and_replays(wheel_venv, tmp_path):
     """No editable install and no checkout on the path: a new virtual environment whose only pytest_rlhfmem is the
-    wheel's, its dependencies (torch, transformers ...) reached through a ``.pth`` line naming this environment's
-    site-packages (a ``.pth`` line adds the directory, not the editable finder installed there). Run from a
-    directory outside the checkout: ``rlhfmem capture --device cuda-sim`` of the generate + PPO loop written for a
-    GPU runner (the device's C++ is built from the wheel's sources; values on: its generation loop stops on EOS),
-    twice with the same figures, then ``rlhfmem replay`` of the snapshot it saved."""
-    env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=False).create(env_dir)
-    py = env_dir / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                               capture_output=True, text=True, check=True).stdout.strip())
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
-    (site / "deps.pth").write_text(sysconfig.get_path("purelib") + "\n")  # after: pip saw no other install
-    where = subprocess.run([str(py), "-c", "import pytest_rlhfmem; print(pytest_rlhfmem.__file__)"], cwd=tmp_path,
-                           capture_output=True, text=True, check=True).stdout.strip()
-    assert where.startswith(str(site)), where  # the wheel's copy, not the checkout
+    wheel's (the root conftest's ``wheel_venv``). Run from a directory outside the checkout: ``rlhfmem capture
+    --device cuda-sim`` of the generate + PPO loop written for a GPU runner (the device's C++ is built from the
+    wheel's sources; values on: its generation loop stops on EOS), twice with the same figures, then ``rlhfmem
+    replay`` of the snapshot it saved."""
+    env_dir, py = wheel_venv, wheel_venv / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     script = tmp_path / "hf_generate_ppo.py"  # the generate + PPO loop of tests/test_sim_values.py, unchanged
     shutil.copy2(ROOT / "tests" / "data" / "commands" / "hf_generate_ppo.py", script)

@@ -80,7 +80,9 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
         link = [f"-L{tdir / 'lib'}", *libs, f"-Wl,-rpath,{tdir / 'lib'}"]
     else:
         link = []
-    key = hashlib.sha256(key_material + " ".join(cmd_flags + link).encode() + sys.version.encode() * python_module
+    if python_module:  # an extension module is built for this Python's ABI
+        key_material += sys.version.encode()
+    key = hashlib.sha256(key_material + " ".join(cmd_flags + link).encode()
                          + f"{real}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     name = f"{source.stem}_{key}"
     cache = cache_dir()

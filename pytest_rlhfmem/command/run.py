@@ -16,8 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..record.recorder import history_settings
@@ -192,7 +191,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
                 nproc_per_node: int | None = None, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
                 env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on",
-                sim_values: str | None = None, on_progress: Any = None) -> dict:
+                sim_values: str | None = None, on_progress: Callable[[str], None] | None = None) -> dict:
     """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
     ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
 
@@ -201,9 +200,9 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     (``on``/``off``) is the CPU capture's CUDA emulation (``record/emulation.py``), as for the recipes.
     ``on_progress(line)``, when given, gets a line every minute of a long run (elapsed seconds, each rank's phase:
     ``rlhf/launch.py: progress_line``). ``sim_values`` (``on``/``off``; ``device="cuda-sim"`` only): whether the
-    simulated device computes values
-    (``simcuda/library.py: values_mode``); default ``on`` unless ``env`` or this environment sets
-    ``$RLHFMEM_SIM_CUDA_VALUES``: a program's own control flow (stopping criteria, masks) needs values. Raises
+    simulated device computes values (``simcuda/library.py: values_mode``); default ``on`` unless ``env`` or this
+    environment sets ``$RLHFMEM_SIM_CUDA_VALUES``: a program's own control flow (stopping criteria, masks) needs
+    values. Raises
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
     command that ended before any rank imported torch, or one whose ranks allocated no device memory
     (with a non-zero exit status: "exited with code N before its first allocation"; nothing was measured).
@@ -245,7 +244,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 
 def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002
             timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None,
-            on_progress: Any = None) -> dict:
+            on_progress: Callable[[str], None] | None = None) -> dict:
     t0 = time.perf_counter()
     # the user's environment as it is (hubs online, their thread settings); on CPU CUDA hidden
     run_env = command_env("cpu" if device == SIM_DEVICE else device)

@@ -209,10 +209,9 @@ def install_sim(lib: Any, scalar_answers: dict[str, dict]) -> list[str]:
     else:
         torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign]
         names.append("Tensor.record_stream: no-op (the block is reusable at its free: immediate)")
-    sites = ScalarSites(site=lambda call: _caller(skip_libs=("pytest_rlhfmem/simcuda/",)), op_key="op",
-                        on_read=lambda t: host_waits(getattr(torch.cuda.current_stream(), "stream_id", 0)))
-    sites.sites = scalar_answers  # the recorder's: counted into its result
-    sites.install(torch)
+    ScalarSites(site=lambda call: _caller(skip_libs=("pytest_rlhfmem/simcuda/",)), op_key="op",
+                on_read=lambda t: host_waits(getattr(torch.cuda.current_stream(), "stream_id", 0)),
+                sites=scalar_answers).install(torch)  # the recorder's dict: counted into its result
     names.append("Tensor.item/__bool__/__int__/__float__/tolist on device tensors: call sites counted")
     original_repr = torch.Tensor.__repr__
 

@@ -24,8 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -371,7 +370,7 @@ PROGRESS_EVERY_S = 60.0  # how often a long run's progress line is printed (run_
 
 
 def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float, work: Path,
-                      cwd: str | Path | None = None, on_progress: Any = None,
+                      cwd: str | Path | None = None, on_progress: Callable[[float], None] | None = None,
                       progress_every_s: float = PROGRESS_EVERY_S) -> tuple[int, bool]:
     """Run ``cmd`` (a torchrun line or a user's command) in its own session, stdout and stderr to
     ``log_path``; at ``timeout`` seconds terminate the whole group (SIGTERM, then SIGKILL after 15 s).
@@ -389,13 +388,14 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
         try:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                                     cwd=cwd)
+            step = progress_every_s if on_progress is not None else timeout
             while True:
                 left = timeout - (time.monotonic() - t0)
                 try:
-                    proc.wait(timeout=max(0.0, min(left, progress_every_s) if on_progress else left))
+                    proc.wait(timeout=max(0.0, min(left, step)))
                     break
                 except subprocess.TimeoutExpired:
-                    if on_progress is None or time.monotonic() - t0 >= timeout:
+                    if left <= step:  # that wait ran to the timeout itself, not to a progress line
                         raise
                     on_progress(time.monotonic() - t0)
         except subprocess.TimeoutExpired:

@@ -29,6 +29,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ..memory.allocator import kMinBlockSize
 from ..memory.events import ALLOC, EXTERNAL_MAP, EXTERNAL_UNMAP, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, \
     Event, Trace
 
@@ -128,11 +129,11 @@ class ColocatedEngine:
 
 
 def _live_bytes(events: list[Event]) -> int:
-    """Requested bytes live after ``events``, each rounded to the allocator's 512-byte blocks."""
+    """Requested bytes live after ``events``, each rounded to the allocator's blocks (kMinBlockSize, 512 B)."""
     live: dict[int, int] = {}
     for e in events:
         if e.action == ALLOC:
-            live[e.addr] = max(512, -(-e.size // 512) * 512)
+            live[e.addr] = max(kMinBlockSize, -(-e.size // kMinBlockSize) * kMinBlockSize)
         elif e.action in (FREE, FREE_REQUESTED):
             live.pop(e.addr, None)
     return sum(live.values())

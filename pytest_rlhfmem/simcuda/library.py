@@ -1,15 +1,16 @@
-"""The simulated CUDA device's side in Python: its allocation log, read as recorder rows.
+"""The simulated CUDA device's side in Python: its settings and its allocation log, read as recorder rows.
 
-``simcuda/csrc/sim_cuda.cpp`` (built and loaded before ``import torch`` by :mod:`.device_libs`) makes
-``device="cuda"`` work on a CPU-only torch build: real ATen tensors with the CUDA dispatch keys, storages
-with a size and no memory, outputs computed by the ops' meta kernels. Its allocator logs every allocation
-and free (bytes, the stream set from Python, microseconds of ``steady_clock``); :class:`SimCudaRows` reads
-that log in the CPU allocation recorder's row format, so :class:`~.capture.Recorder` turns it into a trace
-exactly as it turns a CPU capture into one (phase marks, placement annotations), without the CPU route's
-CUDA emulation: the device runs CUDA's own code paths and adds the cuBLAS workspace itself.
+``simcuda/csrc/sim_cuda.cpp`` (built and loaded before ``import torch`` by :mod:`.build`) makes ``device="cuda"``
+work on a CPU-only torch build: real ATen tensors with the CUDA dispatch keys, outputs made by the ops' meta
+kernels, storages with a size and, with values on (:func:`values_mode`), host memory at the device address that
+the ops' CPU kernels fill. Its allocator logs every allocation and free (bytes, the stream set from Python,
+microseconds of ``steady_clock``); :class:`SimCudaRows` reads that log in the CPU allocation recorder's row format,
+so :class:`~pytest_rlhfmem.record.recorder.Recorder` turns it into a trace exactly as it turns a CPU capture into
+one (phase marks, placement annotations), without the CPU route's CUDA emulation: the device runs CUDA's own code
+paths and adds the cuBLAS workspace itself.
 
 Host tensors are real and never enter the trace; a move to the device is a device allocation at that
-moment. Figures do not depend on values (no value is ever computed on the device).
+moment. Without values, figures do not depend on values (none is computed on the device).
 """
 
 from __future__ import annotations
@@ -69,6 +70,11 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_stream.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_set_sdp_backend.argtypes = [ctypes.c_int64]
     lib.rlhfmem_sim_cuda_log.argtypes = [ctypes.c_int64, ctypes.c_uint64, ctypes.c_int64]
+    lib.rlhfmem_sim_cuda_set_values.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_set_values.argtypes = [ctypes.c_int]
+    lib.rlhfmem_sim_cuda_values.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_values_skipped.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_values_skipped.argtypes = [ctypes.c_char_p, ctypes.c_int64]
     return lib
 
 
@@ -113,9 +119,7 @@ def load_before_torch(path: str) -> None:
     load_built(path)
     os.environ[ENV_LIBRARY] = path
     if mode == "on":
-        lib = ctypes.CDLL(path)
-        lib.rlhfmem_sim_cuda_set_values.restype = ctypes.c_int64
-        status = lib.rlhfmem_sim_cuda_set_values(1)
+        status = library().rlhfmem_sim_cuda_set_values(1)
         if status != 0:
             raise SimCudaUnavailable("the simulated CUDA device cannot compute values here: "
                                      + ("a device allocation exists already" if status == -1 else
@@ -125,16 +129,13 @@ def load_before_torch(path: str) -> None:
 
 def values_on(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the loaded device computes values (``lib``: :func:`library`'s, by default)."""
-    lib = lib or library()
-    lib.rlhfmem_sim_cuda_values.restype = ctypes.c_int64
-    return bool(lib.rlhfmem_sim_cuda_values())
+    return bool((lib or library()).rlhfmem_sim_cuda_values())
 
 
 def values_not_computed(lib: ctypes.CDLL) -> dict[str, int]:
     """With values on: the ops whose outputs got no values because they have no CPU kernel (GPU-only kernels:
-    memory-efficient attention, ...), ``{"aten::op.overload": calls}``; their outputs hold zeros."""
-    lib.rlhfmem_sim_cuda_values_skipped.restype = ctypes.c_int64
-    lib.rlhfmem_sim_cuda_values_skipped.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    memory-efficient attention, ...), ``{"aten::op.overload": calls}``; their outputs hold zeros. ``lib``:
+    :func:`library`'s."""
     buf = ctypes.create_string_buffer(1 << 16)
     n = lib.rlhfmem_sim_cuda_values_skipped(buf, len(buf))
     pairs = (line.rsplit("=", 1) for line in buf.raw[:n].decode().splitlines())

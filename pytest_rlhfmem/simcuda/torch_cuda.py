@@ -151,11 +151,12 @@ class ScalarSites:
 
     ``site(call)`` names the caller (default: ``"file:line call"`` of the frame that called); ``op_key`` names
     the call's field (``"call"``; the fake-CUDA route's results say ``"op"``); ``on_read(tensor)`` runs at each
-    read (the fake-CUDA route: the host waits for the current stream)."""
+    read (the fake-CUDA route: the host waits for the current stream); ``sites``: the dict to count into (default:
+    a new one)."""
 
     def __init__(self, site: Callable[[str], str] | None = None, op_key: str = "call",
-                 on_read: Callable[[Any], None] | None = None) -> None:
-        self.sites: dict[str, dict] = {}
+                 on_read: Callable[[Any], None] | None = None, sites: dict[str, dict] | None = None) -> None:
+        self.sites: dict[str, dict] = {} if sites is None else sites
         self._site = site or _calling_line
         self._op_key = op_key
         self._on_read = on_read

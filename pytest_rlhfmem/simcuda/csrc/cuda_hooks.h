@@ -23,9 +23,6 @@ namespace rlhfmem {
 // synchronizing a stream, an event or the device returns at once (no work runs anywhere), and the time between
 // two events is 0.0 ms. `torch.Event("cuda")` and `torch.cuda.Event` then run as on a GPU whose work is done.
 struct DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
-  static constexpr c10::DeviceType static_type = c10::DeviceType::CUDA;
-  DeviceGuard() = default;
-  explicit DeviceGuard(c10::DeviceType) {}
   c10::DeviceType type() const override { return c10::DeviceType::CUDA; }
   c10::Device exchangeDevice(c10::Device d) const override {
     c10::Device old = getDevice();

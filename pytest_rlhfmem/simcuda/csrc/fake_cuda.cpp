@@ -1,7 +1,6 @@
 // A CPU-only PyTorch build told that CUDA exists, for fake-tensor runs with device="cuda" (the fake-CUDA route).
 //
-// Registers c10's test device guard and CUDA hooks whose hasCUDA() is true (cuda_hooks.h, shared with
-// sim_cuda.cpp). Nothing here computes or allocates on a device: it only lets autograd (InputMetadata needs a
+// Registers a device guard and CUDA hooks whose hasCUDA() is true (cuda_hooks.h, shared with sim_cuda.cpp). Nothing here computes or allocates on a device: it only lets autograd (InputMetadata needs a
 // device guard), copy_/to("cuda") and fused optimizers accept fake CUDA tensors, which hold no storage.
 //
 // Must be loaded (ctypes, RTLD_GLOBAL) BEFORE `import torch`: torch creates its CUDA hooks object once,

@@ -10,9 +10,9 @@
 // inputs are viewed as meta tensors of the same geometry over one meta storage per CUDA storage, the op is
 // redispatched to Meta, and each output becomes a CUDA tensor: an input itself (in-place and out= ops), a
 // view of an input's CUDA storage (view ops), or a new storage from SimCudaAllocator (what a CUDA
-// kernel's output allocation asks the caching allocator for). Values are never computed: `.item()` on a
-// CUDA tensor gets a fixed answer by dtype (counted per dtype), copies into or out of the device do
-// nothing to values.
+// kernel's output allocation asks the caching allocator for). Values are computed only in values mode (see
+// "values mode": the CPU kernel on host memory at the device address); without it `.item()` on a CUDA tensor
+// gets a fixed answer by dtype (counted per dtype), and copies into or out of the device do nothing to values.
 //
 // cuBLAS: the first op of a thread that calls cuBLAS on a GPU (mm, bmm, addmm, baddbmm, ...) takes the
 // handle's workspace from the caching allocator (aten/src/ATen/cuda/CublasHandlePool.cpp:
@@ -20,8 +20,8 @@
 // (CUBLAS_WORKSPACE_CONFIG, compute capability). It is placed before the op's output: with it after, the
 // training recording's warm-ups end one 40 MiB segment short (measured, tests/test_sim_cuda.py).
 //
-// Also registers c10's FakeGuardImpl for CUDA (streams, device index) and CUDA hooks with hasCUDA() true
-// (cuda_hooks.h, shared with fake_cuda.cpp).
+// Also registers a device guard for CUDA (streams, device index, synchronisation) and CUDA hooks with hasCUDA()
+// true (cuda_hooks.h, shared with fake_cuda.cpp).
 // Must be loaded (ctypes, RTLD_GLOBAL) BEFORE `import torch`. On a CUDA build of torch the same device runs
 // the same code paths: see "on a CUDA build of torch" below (simcuda/build.py: load_built).
 #include <ATen/ATen.h>
@@ -36,11 +36,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <map>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -369,14 +368,18 @@ at::Tensor meta_alias(const at::Tensor& t, Mapping& m) {
   return meta;
 }
 
-c10::IValue to_meta(const c10::IValue& v, Mapping& m) {
+// An op's argument with each CUDA tensor in it (alone, in a tensor list, or in a list such as index's Tensor?[])
+// replaced by f(tensor), and a CUDA device argument (factory ops' device=) by `device`: the meta pass and, with
+// values on, the host pass see the same arguments on another device.
+template <class F>
+c10::IValue map_cuda(const c10::IValue& v, F& f, c10::DeviceType device) {
   if (v.isTensor()) {
     const auto& t = v.toTensor();
-    return is_cuda(t) ? c10::IValue(meta_alias(t, m)) : v;
+    return is_cuda(t) ? c10::IValue(f(t)) : v;
   }
   if (v.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(is_cuda(t) ? meta_alias(t, m) : t);
+    for (const at::Tensor& t : v.toTensorList()) out.push_back(is_cuda(t) ? f(t) : t);
     return out;
   }
   if (v.isList()) {
@@ -385,11 +388,16 @@ c10::IValue to_meta(const c10::IValue& v, Mapping& m) {
     for (const c10::IValue& e : in) any = any || (e.isTensor() && is_cuda(e.toTensor()));
     if (!any) return v;
     c10::impl::GenericList out(in.elementType());
-    for (const c10::IValue& e : in) out.push_back(to_meta(e, m));
+    for (const c10::IValue& e : in) out.push_back(map_cuda(e, f, device));
     return out;
   }
-  if (v.isDevice() && v.toDevice().is_cuda()) return c10::IValue(c10::Device(c10::DeviceType::Meta));
+  if (v.isDevice() && v.toDevice().is_cuda()) return c10::IValue(c10::Device(device));
   return v;
+}
+
+c10::IValue to_meta(const c10::IValue& v, Mapping& m) {
+  auto alias = [&m](const at::Tensor& t) { return meta_alias(t, m); };
+  return map_cuda(v, alias, c10::DeviceType::Meta);
 }
 
 at::Tensor from_meta_tensor(const at::Tensor& out, Mapping& m) {
@@ -449,25 +457,11 @@ struct HostArgs {
 
 c10::IValue to_host(const c10::IValue& v, HostArgs& h) {
   auto view = [&h](const at::Tensor& t) {
-    if (!is_cuda(t)) return t;
     at::Tensor hv = host_view(t);
     h.views.emplace_back(hv.unsafeGetTensorImpl(), t);
     return hv;
   };
-  if (v.isTensor()) return view(v.toTensor());
-  if (v.isTensorList()) {
-    c10::List<at::Tensor> out;
-    for (const at::Tensor& t : v.toTensorList()) out.push_back(view(t));
-    return out;
-  }
-  if (v.isList()) {
-    auto in = v.toList();
-    c10::impl::GenericList out(in.elementType());
-    for (const c10::IValue& e : in) out.push_back(to_host(e, h));
-    return out;
-  }
-  if (v.isDevice() && v.toDevice().is_cuda()) return c10::IValue(c10::Device(c10::DeviceType::CPU));
-  return v;
+  return map_cuda(v, view, c10::DeviceType::CPU);
 }
 
 // Ops with no CPU kernel (the GPU-only kernels: memory-efficient and flash attention, fused optimizers of some
@@ -556,7 +550,7 @@ void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::ji
     TORCH_CHECK_NOT_IMPLEMENTED(values, "rlhfmem simulated CUDA device: ", schema.operator_name(),
                                 " cannot run without values (its meta kernel: ", what.substr(0, what.find('\n')),
                                 "); run with values on (--sim-values on) to compute them");
-    stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
+    if (stack->size() > base) stack->erase(stack->begin() + static_cast<std::ptrdiff_t>(base), stack->end());
     TORCH_CHECK_NOT_IMPLEMENTED(has_cpu_kernel(op), "rlhfmem simulated CUDA device (values on): ",
                                 schema.operator_name(), " has neither a meta kernel that runs without values (",
                                 what.substr(0, what.find('\n')), ") nor a CPU kernel to compute them");

@@ -7,6 +7,7 @@
     python -m doctables.budget_tables mid-matrix     # docs/cpu-path.md: the mid-size pair (methods_cpu_mid.yaml)
     python -m doctables.budget_tables mid-methods    # docs/methods.md: the methods on the mid-size pair
     python -m doctables.budget_tables tolerances     # README: the default tolerances (pytest_rlhfmem/budgets.py)
+    python -m doctables.budget_tables colocated-study  # README: a colocated engine at the study's scale
 
 Each block a document shows is fenced by ``<!-- generated: python -m doctables.budget_tables NAME -->`` and
 ``<!-- end generated -->``; tests/test_generated_tables.py reruns the command and fails when a block differs
@@ -173,17 +174,53 @@ def flush_diff_report() -> list[str]:
 def tolerances() -> list[str]:
     """The default tolerances (budgets.py ``DEFAULT_TOLERANCES``): a value passes when measured <= budget + max(abs,
     rel x budget); a budget file's ``defaults.tolerances`` and an entry's ``tolerances`` override them."""
-    from pytest_rlhfmem.budgets import DEFAULT_TOLERANCES
+    from pytest_rlhfmem.budgets import DEFAULT_TOLERANCES, SIZE_BUDGETS
 
     rows = ["| metric | rel | abs |", "|---|---|---|"]
     for metric, tol in DEFAULT_TOLERANCES.items():
-        size = not metric.endswith(("_count", "_retries"))
+        size = metric in SIZE_BUDGETS
         rows.append(f"| {metric} | {tol.rel * 100:g}% | {format_size(tol.abs) if size else tol.abs} |")
     return rows
 
 
-TABLES = {"cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff, "mid-matrix": mid_matrix,
-          "mid-methods": mid_methods, "flush-diff-report": flush_diff_report, "tolerances": tolerances}
+def colocated_study() -> list[str]:
+    """A colocated rollout engine beside the study's DeepSpeed-Chat iteration (OPT-1.3b/350m, ZeRO-2, 4 ranks; the
+    simulated CUDA device; baselines/cpu/colocated_study.yaml, suites/test_colocated_study.py): per sleep level and
+    flush before wake-up, at a 24 GiB and an 80 GiB card, the trainer's peak reserved, the engine's mapped bytes, the
+    device's peak used (reserved + mapped), the trainer's alloc retries and the OOMs (a wake-up the card cannot back
+    counts as one). GiB = 2**30 B, two decimals."""
+    e = _entries("colocated_study.yaml")
+    base = "deepspeed-chat/opt-1.3b/zero2/flush-none/x4"
+    gib = 2**30
+
+    def cell(entry: dict | None) -> str:
+        if entry is None:
+            return "not recorded"
+        m = entry["metrics"]
+        mapped = _m(entry, "engine_mapped_peak") if "engine_mapped_peak" in m else 0
+        used = _m(entry, "peak_device_used") if "peak_device_used" in m else _m(entry, "peak_reserved")
+        return (f"{_m(entry, 'peak_reserved') / gib:.2f} / {mapped / gib:.2f} / {used / gib:.2f} / "
+                f"{_m(entry, 'alloc_retries')} / {int(m.get('ooms', 0))}")
+
+    def engine(card: int, level: int, flush: bool) -> dict | None:
+        keys = [f"capacity_mib={card * 1024}", *([] if flush else ["flush_before_wake_up=False"]),
+                "gpu_memory_utilization=0.9", "rollout_engine=True", f"sleep_level={level}"]
+        return e.get(f"{base}/{','.join(keys)}")
+
+    rows = ["| gpu_memory_utilization 0.9 | 24 GiB card: trainer peak reserved / engine mapped / peak used (GiB) / "
+            "retries / OOMs | 80 GiB card: the same |", "|---|---|---|"]
+    off = cell(e.get(base))
+    rows.append(f"| engine off | {off} | {off} |")
+    for level in (1, 2):
+        for flush in (False, True):
+            label = f"sleep level {level}, " + ("flush before wake-up" if flush else "no flush")
+            rows.append(f"| {label} | " + " | ".join(cell(engine(c, level, flush)) for c in (24, 80)) + " |")
+    return rows
+
+
+TABLES = {"colocated-study": colocated_study, "cpu-matrix": cpu_matrix, "methods": methods, "flush-diff": flush_diff,
+          "mid-matrix": mid_matrix, "mid-methods": mid_methods, "flush-diff-report": flush_diff_report,
+          "tolerances": tolerances}
 
 
 def main(argv: list[str]) -> int:

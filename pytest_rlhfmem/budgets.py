@@ -71,10 +71,12 @@ REPORTED_NOT_BUDGETED = {
 # bytes in DeepSpeed's swap staging buffers (record/host.py). Gated only where an entry records them:
 # entry_from_result writes them for results that held staging buffers, so no other entry changes.
 SWAP_BUDGETS = ("storage_read_bytes", "storage_write_bytes", "host_staging_bytes")
-# a colocated rollout engine's scenarios only (docs/colocated-rollout.md): the bytes it maps outside the caching
-# allocator at once, and reserved + those at their peak (simulated)
-ENGINE_METRIC_NAMES = ("engine_mapped_peak", "peak_device_used")
-SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS + ENGINE_METRIC_NAMES
+# a colocated rollout engine's scenarios only (docs/colocated-rollout.md), replayed at the engine's card
+# (capacity_mib): the bytes it maps outside the caching allocator at once, reserved + those at their peak, and the
+# allocations the card could not back (the trainer's, and a wake-up's mapping) (simulated)
+ENGINE_SIZE_NAMES = ("engine_mapped_peak", "peak_device_used")
+ENGINE_METRIC_NAMES = ENGINE_SIZE_NAMES + ("ooms",)  # ooms: every result has it; entries of engine runs gate it
+SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS + ENGINE_SIZE_NAMES
 COUNT_BUDGETS = ("cuda_malloc_count", "alloc_retries")
 BUDGET_METRICS = DEVICE_SIZE_BUDGETS + COUNT_BUDGETS + HOST_BUDGETS  # compared for every entry
 _KNOWN_METRICS = BUDGET_METRICS + SWAP_BUDGETS + ENGINE_METRIC_NAMES
@@ -102,6 +104,7 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "fragmentation_at_peak": Tolerance(0.05, 4 * 2**20),
     "cuda_malloc_count": Tolerance(0.1, 3),
     "alloc_retries": Tolerance(0.0, 0),
+    "ooms": Tolerance(0.0, 0),
     # Host RSS growth (peak minus the RSS after imports) moves with libraries' lazy allocations and glibc's
     # arenas: within one environment the peak repeated within 3 MiB (studies/spread.py) and the growth of
     # the same ColossalChat scenario within 8 MiB (98-106 MiB) across runs; a fifth, at least 48 MiB, leaves
@@ -406,6 +409,8 @@ def entry_from_result(result: dict) -> dict:
         metrics[k] = format_size(int(m.get(k) or 0), exact=True)
     for k in COUNT_BUDGETS:
         metrics[k] = int(m.get(k) or 0)
+    if "engine_mapped_peak" in m:  # a colocated engine's run (replayed at its card): its OOMs there are gated too
+        metrics["ooms"] = int(m.get("ooms") or 0)
     v = result.get("versions", {})
     return {
         "capture": result.get("capture"),

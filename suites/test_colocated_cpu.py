@@ -94,10 +94,37 @@ def test_advise_names_the_flush_that_lets_the_engine_wake_up(iteration_result, t
     s = advise(path, capacity=CAPACITY_MIB * MiB, processes=1)["scenarios"][0]
     assert s["baseline"]["ooms"] == 1 and s["baseline"]["external_map_failures"] == 1
     assert "--capacity 128.00 MiB for every candidate" in s["assumptions"]["replay"]
-    best = s["candidates"][0]
-    assert best["ooms"] == 0 and best["flushes_at"] and best["flushes_at"][0] in ("train_actor", "train_critic")
-    assert s["recommendation"]["candidate"] == best["id"]
+    best = next(c for c in s["candidates"] if c["id"] == s["recommendation"]["candidate"])
+    assert best["ooms"] == 0 and best["flushes_at"] == ["train_critic"] and best["before_wake_up"]
+    assert (best["extra_cuda_malloc"], best["extra_cuda_free"]) == (0, 1)  # the cheapest fix: one cudaFree
     assert "removes the 1 OOM(s)" in s["recommendation"]["text"] and "colocated engine's wake-up" in \
         s["recommendation"]["text"]
-    unlimited = advise(path, processes=1)["scenarios"][0]  # no device: nothing to fit, nothing recommended for it
-    assert unlimited["baseline"]["ooms"] == 0
+    assert "(before the engine's wake_up)" in s["recommendation"]["text"]
+    # without --capacity: the card the engine was sized for (the run's capacity_mib), the same answer
+    card = advise(path, processes=1)["scenarios"][0]
+    assert "the card the engine was sized for 128.00 MiB" in card["assumptions"]["replay"]
+    assert card["recommendation"] == s["recommendation"]
+    # the utilization search: the run's 0.71 fits only with the flush; without it a smaller KV cache fits
+    engine = card["colocated_engine"]
+    fits = engine["largest_fitting"]
+    assert fits["flush_before_wake_up"] >= 0.71 > fits["no_flush"] > 0
+    at = next(p for p in engine["points"] if p["utilization"] == 0.71)
+    assert at["no_flush"]["ooms"] == 1 and at["flush_before_wake_up"]["ooms"] == 0
+    assert engine["wake_up_boundaries"] == [best["flushes_at"][0]]
+
+
+def test_the_simulated_device_route_records_the_engine(tmp_path):
+    """The same scenario on the fake-CUDA route's simulated CUDA device (the route of the study's scale,
+    suites/test_colocated_study.py): the engine's mappings are in its trace, the replay runs at the card, and the twin
+    without the flush before wake-up (the same trace without that FLUSH) is the run whose wake-up fails."""
+    from pytest_rlhfmem.fakecuda.run import run_fake_cuda
+
+    flushed = SCENARIOS["sleep-1-flush"]
+    results = run_fake_cuda(flushed, work_dir=tmp_path, without_flush=True, tensors="sim")
+    held = results[SCENARIOS["sleep-1-no-flush"].id]
+    ok = results[flushed.id]
+    assert ok["status"] == held["status"] == "ok" and ok["capacity"] == CAPACITY_MIB * MiB
+    assert ok["total"]["ooms"] == 0 and held["total"]["ooms"] == 1
+    assert ok["total"]["engine_mapped_peak"] == held["total"]["engine_mapped_peak"] > 0
+    assert held["recipe"]["rollout_engine"]["flush_before_wake_up"] is False
+    assert ok["recipe"]["rollout_engine"]["mappings"]["kv_cache"] > 0

@@ -1,7 +1,8 @@
 """The main job's CPU portability check (issue 19): every cell of the DeepSpeed-Chat CPU matrix, run as a
 weaker or different CPU would (pytest_rlhfmem/hostcpu.py: FORCED_CPU_SETTINGS: ATen's dispatch ISA, oneDNN's
 ISA cap, the fp16-kernel answer), gives the simulated figures of this machine's own run
-(suites/test_deepspeed_chat_cpu.py, reused) to the byte. The default test run checks three cells."""
+(suites/test_deepspeed_chat_cpu.py, reused) to the byte. The default test run checks one
+(tests/test_cpu_portability.py)."""
 
 import pytest
 

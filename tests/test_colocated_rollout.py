@@ -165,10 +165,46 @@ def test_the_recorders_stream_keeps_mappings_and_drops_the_engines_temporaries()
                    (EXTERNAL_UNMAP, 2, 4 * MiB, KV_CACHE)]
 
 
-def test_the_fake_cuda_route_refuses_the_engine_in_one_line(tmp_path):
+def test_fake_tensors_refuse_the_engine_in_one_line(tmp_path):
+    """FakeTensorMode's recorder writes no mappings: the engine runs on the simulated CUDA device (tensors='sim')."""
     from pytest_rlhfmem.fakecuda.run import run_fake_cuda
     from pytest_rlhfmem.rlhf.scenario import Scenario
 
-    with pytest.raises(ValueError, match="rollout_engine=True: the colocated engine runs on the CPU route"):
-        run_fake_cuda(Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, {"rollout_engine": True}),
-                      work_dir=tmp_path)
+    sc = Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, {"rollout_engine": True})
+    with pytest.raises(ValueError, match=r"recorded on the simulated CUDA device \(tensors='sim'\)"):
+        run_fake_cuda(sc, work_dir=tmp_path)
+    with pytest.raises(ValueError, match="under record_stream='until-sync' that flush's host wait returns blocks"):
+        run_fake_cuda(sc, work_dir=tmp_path, tensors="sim", without_flush=True, record_stream="until-sync")
+
+
+def test_sizes_at_another_utilization_are_the_engines_and_resize_only_its_mappings():
+    """advise's utilization search: the engine of a run's record, sized again on a card at another utilization
+    (vLLM's determine_available_memory with the same trainer), and the run's events with those sizes."""
+    from pytest_rlhfmem.rollout import sizes_at, with_mapping_sizes
+
+    record = {"weights_bytes": 3 * MiB, "gpu_memory_utilization": 0.5, "sleep_level": 1, "flush_before_wake_up": True,
+              "activation_peak_bytes": MiB, "cuda_graph_bytes": 0, "trainer_allocated_at_start": 20 * MiB}
+    got = sizes_at(record, 128 * MiB, 0.75)
+    assert got == ColocatedEngine(3 * MiB, 0.75, 1, True, MiB).sizes(128 * MiB, 20 * MiB)
+    assert got[KV_CACHE] == 70 * MiB  # 96 MiB - (20 + 4 + 1) MiB (weights rounded up to 2 MiB), rounded down to 2 MiB
+    with pytest.raises(EngineSettingsError, match="leaves no KV cache"):
+        sizes_at(record, 128 * MiB, 0.2)
+    events = [Event(EXTERNAL_MAP, 2, 10 * MiB, name=KV_CACHE), Event(ALLOC, 7, 512), Event(EXTERNAL_MAP, 1, 4 * MiB,
+              name=WEIGHTS), Event(EXTERNAL_UNMAP, 2, 10 * MiB, name=KV_CACHE)]
+    out = with_mapping_sizes(events, {KV_CACHE: got[KV_CACHE]})
+    assert [(e.action, e.size) for e in out] == [(EXTERNAL_MAP, got[KV_CACHE]), (ALLOC, 512), (EXTERNAL_MAP, 4 * MiB),
+                                                 (EXTERNAL_UNMAP, got[KV_CACHE])]
+
+
+def test_advise_finds_the_boundaries_right_before_a_wake_up():
+    """A flush boundary is a wake-up's when the next event after it, phase marks and flushes aside, is a mapping."""
+    from pytest_rlhfmem.advise.inputs import find_boundaries, wake_up_boundaries
+    from pytest_rlhfmem.memory.events import PHASE_END
+
+    events = [Event(PHASE, name="init"), Event(ALLOC, 1, 512), Event(PHASE_END, name="init"), Event(ALLOC, 2, 512),
+              Event(PHASE, name="generate"), Event(EXTERNAL_MAP, 1, 2 * MiB, name=WEIGHTS), Event(FREE, 2, 512),
+              Event(PHASE_END, name="generate"), Event(PHASE, name="train"), Event(ALLOC, 3, 512),
+              Event(PHASE_END, name="train"), Event(PHASE, name=NEXT_ROLLOUT), Event(FLUSH, name="engine-sleep"),
+              Event(EXTERNAL_MAP, 2, 2 * MiB, name=KV_CACHE), Event(FREE, 1, 512), Event(FREE, 3, 512)]
+    b = find_boundaries(events)
+    assert wake_up_boundaries(events, b) == frozenset({"train"})  # init is followed by the trainer's allocation

@@ -57,7 +57,8 @@ def test_lint_tools_are_pinned():
 # tox environment -> the constraints file it installs under (None: the newest releases)
 EXPECTED = {"py": "deepspeed.txt", "suite": "deepspeed.txt", "methods-mid": "deepspeed.txt",
             "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "study-sensitivity": "deepspeed.txt",
-            "gpu1-sim": "deepspeed.txt", "gpu-suite": "deepspeed.txt", "sim-values": "deepspeed.txt",
+            "gpu1-sim": "deepspeed.txt", "gpu-suite": "deepspeed.txt", "sim-fidelity": "deepspeed.txt",
+            "colocated-study": "deepspeed.txt",
             "colossalai": "colossalai.txt", "colossalai-suite": "colossalai.txt", "lint": "lint.txt",
             "trl": "trl.txt", "latest": None}
 

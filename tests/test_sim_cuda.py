@@ -124,12 +124,12 @@ def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_pa
     assert _layout(snap) == _layout(shared_snapshot("wedson_medium_128_inference"))
 
 
-@pytest.mark.values_fidelity
+@pytest.mark.full_size_fidelity
 def test_cs336_inference_with_values_keeps_the_gpu_recordings_allocations(tmp_path):
     """The simulated device computing values (``--sim-values on``, the capture's default) makes the same
     allocations as without: the inference workload's 1,280 allocation sizes in order and its peak reserved and peak
     allocated equal the GPU recording's to the byte. About a minute here: the host computes the 423M-parameter
-    model's forward (``tox -e sim-values``; the default run checks a smaller loop: tests/test_sim_values.py)."""
+    model's forward (``tox -e sim-fidelity``; the default run checks a smaller loop: tests/test_sim_values.py)."""
     shared_snapshot("wedson_medium_128_inference")
     snap = tmp_path / "inference.pickle"
     capture(tmp_path, "cs336_memory_profile.py", "--mode", "inference", "--context-length", "128", "--out", str(snap),
@@ -141,6 +141,7 @@ def test_cs336_inference_with_values_keeps_the_gpu_recordings_allocations(tmp_pa
     assert cap["peak_allocated"] == rec["peak_allocated"] == 1_738_928_128
 
 
+@pytest.mark.full_size_fidelity  # 63 s of host compute: tox -e sim-fidelity (the default run checks inference above)
 def test_cs336_training_script_unchanged_matches_the_gpu_recording_under_the_drivers_placement(tmp_path, capsys):
     """wedson_medium_256_training: forward, loss, backward, AdamW. The recorded step's allocations and frees are
     the GPU's event for event, in order (13,027 of them: the 49 reductions' 8,388,608 B staging buffers and 32 B

@@ -39,6 +39,9 @@ class Spec:
     alloc_conf: str = ""
     capacity: int | None = None
     recorded: bool = False
+    # a colocated engine's gpu_memory_utilization: its KV cache resized as vLLM would size it on the device
+    # (rollout/engine.py: sizes_at); None: as recorded
+    utilization: float | None = None
 
 
 def policy_boundaries(policy: str, names: list[str]) -> list[str] | None:
@@ -138,15 +141,20 @@ def check_settings(settings: tuple[str, ...] | list[str]) -> None:
                 raise
 
 
-def describe(spec: Spec) -> str:
-    """A candidate in words, e.g. ``flush after infer_actor and train_critic + PYTORCH_CUDA_ALLOC_CONF=...``."""
+def describe(spec: Spec, wake_up: frozenset[str] = frozenset()) -> str:
+    """A candidate in words, e.g. ``flush after infer_actor and train_critic + PYTORCH_CUDA_ALLOC_CONF=...``; a
+    boundary in ``wake_up`` (right before a colocated engine's wake-up: ``inputs.wake_up_boundaries``) is named so,
+    ``flush after train_critic (before the engine's wake_up)``."""
     parts = []
     if spec.recorded:
         parts.append("flushes as recorded")
     elif spec.flushes:
-        parts.append("flush after " + _join(spec.flushes))
+        parts.append("flush after " + _join([f"{n} (before the engine's wake_up)" if n in wake_up else n
+                                             for n in spec.flushes]))
     if spec.alloc_conf:
         parts.append(f"PYTORCH_CUDA_ALLOC_CONF={spec.alloc_conf}")
+    if spec.utilization is not None:
+        parts.append(f"gpu_memory_utilization {spec.utilization:.2f}")
     return " + ".join(parts) or "no flush, settings as recorded"
 
 

@@ -15,6 +15,7 @@ from ..memory.allocator import AllocatorConfig
 from ..memory.events import Trace
 from ..memory.replay import FREE_RUNNING, PYTHON, replay
 from ..memory.replay_engine import engine_for
+from ..rollout import sizes_at, with_mapping_sizes
 from .candidates import Spec
 from .inputs import RankInput
 
@@ -43,11 +44,13 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
         if spec.flushes:
             names = [n for n in spec.flushes if n in ri.boundaries.positions]
             positions = [ri.boundaries.positions[n] for n in names]
+    capacity = spec.capacity if spec.capacity is not None else _DEVICE_CAPACITY[0]
+    if spec.utilization is not None:  # the engine's KV cache as vLLM sizes it at this utilization on the device
+        events, cols = with_mapping_sizes(events, sizes_at(ri.engine, capacity, spec.utilization)), None
     # the columns carry the Trace they were built from (inputs._rank_input): the Python engine replays that
     trace = cols if cols is not None else Trace(events=events, initial_segments=ri.trace.initial_segments,
                                                 allocator_settings=ri.trace.allocator_settings,
                                                 capture=ri.trace.capture)
-    capacity = spec.capacity if spec.capacity is not None else _DEVICE_CAPACITY[0]
     res = replay(trace, config=_spec_config(ri, spec), mode=FREE_RUNNING, capacity=capacity,
                  record_series=False, engine="auto", flush_at=positions, flush_names=names)
     t = res.total
@@ -92,6 +95,8 @@ class Evaluator:
     def _engine(self, job: tuple[Spec, int]) -> str:
         spec, r = job
         ri = self.ranks[r]
+        if spec.utilization is not None:
+            return PYTHON  # resized mappings: the Python model replays every trace with them
         cols = ri.recorded_columns if spec.recorded else ri.program_columns
         return engine_for(cols, _spec_config(ri, spec), FREE_RUNNING)[0]
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..memory.columns import TraceColumns, columns_from_trace
-from ..memory.events import ALLOC, CAPTURE_CUDA, FREE, FREE_REQUESTED, PHASE, PHASE_END, Event, Trace
+from ..memory.events import ALLOC, CAPTURE_CUDA, EXTERNAL_MAP, FLUSH, FREE, FREE_REQUESTED, PHASE, PHASE_END, Event, \
+    Trace
 from ..memory.flushes import program_events
 from ..memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 from ..memory.trace_io import TraceFileError, load_trace, resolve_trace_path
@@ -112,6 +113,22 @@ class RankInput:
     trace: Trace  # initial segments, allocator settings, capture
     program_columns: TraceColumns | None = None
     recorded_columns: TraceColumns | None = None
+    # a colocated rollout engine: the rank's record of it (rollout/engine.py: EngineStandIn.describe; None: none
+    # recorded) and the boundaries right before one of its wake-ups (its first mapping follows, marks between)
+    engine: dict | None = None
+    wake_up_boundaries: frozenset[str] = frozenset()
+
+
+def wake_up_boundaries(events: list[Event], b: Boundaries) -> frozenset[str]:
+    """The boundaries of ``b`` after which the next event other than a phase mark or a flush is another
+    allocator's mapping (``EXTERNAL_MAP``): a flush there is the trainer's ``empty_cache()`` right before a
+    colocated engine's ``wake_up`` (TRL's ``sync_weights``)."""
+    out = set()
+    for name, pos in b.positions.items():
+        nxt = next((e for e in events[pos:] if e.action not in (PHASE, PHASE_END, FLUSH)), None)
+        if nxt is not None and nxt.action == EXTERNAL_MAP:
+            out.add(name)
+    return frozenset(out)
 
 
 @dataclass
@@ -134,7 +151,7 @@ def _is_library_flush(e: Event) -> bool:
     return not e.name.startswith(POLICY_FLUSH_PREFIX)
 
 
-def _rank_input(rank: int, trace: Trace, library_flushes: bool = False) -> RankInput:
+def _rank_input(rank: int, trace: Trace, library_flushes: bool = False, engine: dict | None = None) -> RankInput:
     """``library_flushes`` (a recipe result: its flush policy is known): the recipe's and libraries' own
     ``empty_cache()`` calls stay in the program, as every policy's run makes them; only the policy's flushes are
     placements. Otherwise (a capture, a snapshot) every flush is a placement the advisor may move or drop."""
@@ -143,7 +160,8 @@ def _rank_input(rank: int, trace: Trace, library_flushes: bool = False) -> RankI
           "capture": trace.capture}
     pc = columns_from_trace(Trace(events=program, **kw))
     rc = columns_from_trace(Trace(events=recorded, **kw)) if len(recorded) != len(program) else pc
-    return RankInput(rank, program, recorded, find_boundaries(program), trace, pc, rc)
+    b = find_boundaries(program)
+    return RankInput(rank, program, recorded, b, trace, pc, rc, engine, wake_up_boundaries(program, b))
 
 
 def load_inputs(path: str | Path) -> list[ScenarioInput]:
@@ -175,7 +193,8 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
                         "before results saved their traces, or a run without capture): rerun it to advise")
                 try:
                     ranks.append(_rank_input(int(rk.get("rank", len(ranks))), load_trace(resolve_trace_path(tf, p)),
-                                             library_flushes=policy is not None))
+                                             library_flushes=policy is not None,
+                                             engine=(rk.get("recipe") or {}).get("rollout_engine")))
                 except TraceFileError as exc:
                     raise AdviseInputError(str(exc)) from None
             if not ranks:

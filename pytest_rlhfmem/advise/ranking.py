@@ -43,9 +43,10 @@ Row = Callable[[str, str, Spec], dict]  # (candidate id, kind, spec) -> its row,
 
 
 def cost_key(c: dict) -> tuple:
-    """Rank: no OOM, then peak reserved, then extra allocator calls, bytes re-acquired, fewer changes."""
+    """Rank: no OOM, then peak reserved, then extra allocator calls, bytes re-acquired, fewer changes; among
+    equals, flushes right before a colocated engine's wake-up first (where the frameworks put them)."""
     return (c["ooms"] > 0, c["peak_reserved"], c["extra_cuda_malloc"] + c["extra_cuda_free"], c["bytes_reacquired"],
-            len(c["flushes_at"]) + bool(c["alloc_conf"]), _KIND_ORDER.get(c["kind"], 9))
+            len(c["flushes_at"]) + bool(c["alloc_conf"]), not c.get("before_wake_up"), _KIND_ORDER.get(c["kind"], 9))
 
 
 def candidate_row(si: ScenarioInput, evaluator: Evaluator, base: dict, policy_names: dict[str, str], cid: str,
@@ -53,12 +54,14 @@ def candidate_row(si: ScenarioInput, evaluator: Evaluator, base: dict, policy_na
     """One candidate's row: its replayed figures (max over ranks), its description and its cost against
     ``base`` (the no-flush candidate's figures)."""
     c = dict(evaluator.cache[spec])
-    desc = describe(spec)
+    desc = describe(spec, wake_up_names(si))
     if kind == "policy":
         desc = f"study policy {policy_names.get(cid, cid)} ({len(spec.flushes)} flushes)"
     elif kind == "recorded":
         desc = f"flushes as recorded ({si.flush_policy or 'the program'}'s)"
+    wake = wake_up_names(si)
     c.update({"id": cid, "kind": kind, "description": desc, "flushes_at": list(spec.flushes),
+              "before_wake_up": bool(spec.flushes) and all(n in wake for n in spec.flushes),
               "alloc_conf": spec.alloc_conf, "capacity": spec.capacity,
               "delta_peak_reserved": c["peak_reserved"] - base["peak_reserved"],
               "delta_peak_pct": (100.0 * (c["peak_reserved"] - base["peak_reserved"]) / base["peak_reserved"]
@@ -124,6 +127,83 @@ def add_combinations(rows_by_id: dict[str, dict], families: dict[str, list[str]]
         rows_by_id[cid] = row(cid, "combination", s)
 
 
+def wake_up_names(si: ScenarioInput) -> frozenset[str]:
+    """The boundaries right before a colocated engine's wake-up on every rank (``inputs.wake_up_boundaries``)."""
+    return frozenset.intersection(*(ri.wake_up_boundaries for ri in si.ranks)) if si.ranks else frozenset()
+
+
+UTILIZATIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05 .. 0.95: vLLM's gpu_memory_utilization
+
+
+def engine_search(si: ScenarioInput, evaluator: Evaluator, base: dict, row: Row) -> dict | None:
+    """A colocated rollout engine's two settings, at the device's capacity (``evaluator.device_capacity``):
+    the trainer's flush right before every wake-up (the boundaries :func:`wake_up_names` finds; TRL's
+    ``sync_weights`` and verl's ``rollout_mode`` call ``empty_cache()`` there), costed as any flush (extra
+    cudaMalloc/cudaFree against the unchanged program; a time only where CUDA flushes were measured), and
+    ``gpu_memory_utilization`` from 0.05 to 0.95 (and the recorded one) with and without that flush, each rank's
+    KV cache sized as vLLM sizes it on that device (``rollout/engine.py: sizes_at``). ``None`` where the input
+    records no engine (every rank's ``recipe.rollout_engine``), has no capacity, or no wake-up boundary. The
+    largest utilization without an OOM is reported for each; OOMs are taken as they come at each point (no
+    monotonicity assumed). Sizes are bytes."""
+    records = [ri.engine for ri in si.ranks]
+    capacity = evaluator.device_capacity
+    wake = tuple(n for n in common_boundaries(si.ranks) if n in wake_up_names(si))
+    if capacity is None or not all(records) or not wake:
+        return None
+    from ..rollout import KV_CACHE, EngineSettingsError, sizes_at
+
+    evaluator.evaluate([Spec(flushes=wake)])
+    flush = row("engine:flush-before-wake-up", "flush", Spec(flushes=wake))
+    recorded = records[0]["gpu_memory_utilization"]
+    points, specs = [], []
+    for u in sorted(set(UTILIZATIONS) | {recorded}):
+        try:
+            kv = max(sizes_at(r, capacity, u)[KV_CACHE] for r in records)
+        except EngineSettingsError:  # vLLM raises "No available memory for the cache blocks"
+            points.append({"utilization": u, "kv_cache": None})
+            continue
+        points.append({"utilization": u, "kv_cache": kv})
+        specs += [Spec(utilization=u), Spec(flushes=wake, utilization=u)]
+    evaluator.evaluate(specs)
+    for pt in points:
+        if pt["kv_cache"] is None:
+            continue
+        for key, fl in (("no_flush", ()), ("flush_before_wake_up", wake)):
+            r = evaluator.cache[Spec(flushes=fl, utilization=pt["utilization"])]
+            pt[key] = {k: r[k] for k in ("ooms", "alloc_retries", "external_map_failures", "peak_reserved",
+                                         "peak_device_used")}
+
+    def largest(key: str) -> dict | None:
+        fits = [p for p in points if p["kv_cache"] is not None and p[key]["ooms"] == 0]
+        return max(fits, key=lambda p: p["utilization"]) if fits else None
+
+    best, plain = largest("flush_before_wake_up"), largest("no_flush")
+    at = next(p for p in points if p["utilization"] == recorded)
+    cost = (f"{flush['extra_cuda_malloc']:+d} cudaMalloc, {flush['extra_cuda_free']:+d} cudaFree"
+            + (f", ~{flush['time_estimate']['seconds'] * 1e3:.1f} ms (est.)" if flush.get("time_estimate") else
+               ", time not measured (a CPU or simulated capture)"))
+
+    starts = [p["utilization"] for p in points if p["kv_cache"] is not None]
+    floor = (f" (below {starts[0]:.2f} vLLM finds no memory for a KV cache at all)" if starts and starts[0] > 0.05
+             else "")
+
+    def fit_text(p: dict | None, how: str) -> str:
+        return (f"no gpu_memory_utilization from 0.05 to 0.95 fits {how}{floor}" if p is None else
+                f"gpu_memory_utilization up to {p['utilization']:.2f} fits {how} "
+                f"(KV cache {format_size(p['kv_cache'])})")
+
+    text = (f"on a {format_size(capacity)} device: {fit_text(best, 'with the flush before wake_up')}; "
+            f"{fit_text(plain, 'without it')}; the run's {recorded:.2f} "
+            + ("cannot start the engine (no KV cache fits)" if at["kv_cache"] is None else
+               f"(KV cache {format_size(at['kv_cache'])}) has {at['no_flush']['ooms']} OOM(s) without the flush, "
+               f"{at['flush_before_wake_up']['ooms']} with it")
+            + f". The flush before wake_up (after {', '.join(wake)}) costs {cost}")
+    return {"capacity": capacity, "wake_up_boundaries": list(wake), "flush": flush, "recorded_utilization": recorded,
+            "points": points, "largest_fitting": {"flush_before_wake_up": best and best["utilization"],
+                                                  "no_flush": plain and plain["utilization"]},
+            "text": text}
+
+
 def rank_rows(rows_by_id: dict[str, dict], policies: dict[str, str | None]
               ) -> tuple[list[dict], dict[str, str | None]]:
     """One row per distinct candidate, best first, numbered from 1 (a duplicate's id goes to the kept row's
@@ -168,6 +248,12 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
     rows_by_id = {cid: row(cid, kind, spec) for cid, (kind, spec) in specs.items()}
     add_combinations(rows_by_id, families, evaluator, row, base)
     ranked, policies = rank_rows(rows_by_id, policies)
+    engine = engine_search(si, evaluator, base, row)
+    recommendation = _recommend(ranked[0], base, si.torch_version, ranked)
+    if engine and "expandable_segments:True" in recommendation["text"]:
+        engine["text"] += (". Expandable segments beside an engine: vLLM turns them off inside its own pool, SGLang's "
+                           "torch_memory_saver refuses them in PYTORCH_CUDA_ALLOC_CONF, verl switches them off around "
+                           "each wake-up (docs/colocated-rollout.md)")
     return {
         "scenario_id": si.scenario_id,
         "capture": si.capture,
@@ -186,14 +272,17 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
                         "replay": ("free-running (the model's own cudaMalloc/cudaFree decisions, no device "
                                    "limit except for garbage_collection_threshold candidates)"
                                    if evaluator.device_capacity is None else
-                                   f"free-running at --capacity {format_size(evaluator.device_capacity)} for every "
-                                   "candidate: the trace maps device memory outside the caching allocator (a "
-                                   "colocated rollout engine), which fits or not only against a device")},
+                                   "free-running at "
+                                   f"{'--capacity' if capacity else 'the card the engine was sized for'} "
+                                   f"{format_size(evaluator.device_capacity)} for every candidate: the trace maps "
+                                   "device memory outside the caching allocator (a colocated rollout engine), which "
+                                   "fits or not only against a device")},
         "search": {"method": "greedy forward selection over boundaries before the current peak",
                    "max_flushes": max_flushes, "steps": search_steps},
         "premise": _premise(si, evaluator, rows_by_id),
-        "recommendation": _recommend(ranked[0], base, si.torch_version),
+        "recommendation": recommendation,
         "budget": _fit_budget(ranked, base, budget) if budget is not None else None,
+        "colocated_engine": engine,
         "top": top,
         "replays": evaluator.replays,
         "seconds": round(time.perf_counter() - t0, 3),
@@ -233,16 +322,32 @@ def _premise(si: ScenarioInput, ev: Evaluator, rows: dict) -> dict:
     return out
 
 
-def _recommend(best: dict, base: dict, torch_version: str | None = None) -> dict:
+def _smallest(rows: list[dict]) -> dict:
+    """The candidate of ``rows`` with the fewest changes (flushes and settings), then the fewest extra allocator
+    calls, bytes re-acquired, a flush before a colocated engine's wake-up, lower peak reserved."""
+    return min(rows, key=lambda r: (len(r["flushes_at"]) + bool(r["alloc_conf"]),
+                                    r["extra_cuda_malloc"] + r["extra_cuda_free"], r["bytes_reacquired"],
+                                    not r.get("before_wake_up"), r["peak_reserved"]))
+
+
+def _recommend(best: dict, base: dict, torch_version: str | None = None, ranked: list[dict] | None = None) -> dict:
     """The best candidate in words; a setting also names the environment variable the run's PyTorch reads
-    (``env``: ``allocator.alloc_conf_variable``; unknown version for a snapshot)."""
-    if base["ooms"] and not best["ooms"] and best["id"] != "none":  # at the device's capacity: what makes it fit
+    (``env``: ``allocator.alloc_conf_variable``; unknown version for a snapshot). Where the unchanged program has
+    OOMs at the device's capacity, the recommendation is the smallest change of ``ranked`` without any
+    (:func:`_smallest`: a fix first), and the lowest peak among them is named beside it when it is another."""
+    fits = [r for r in (ranked or [best]) if not r["ooms"] and r["id"] != "none"]
+    if base["ooms"] and fits:  # at the device's capacity: what makes it fit, the smallest change
+        fix = _smallest(fits)
         engine = (f", {base['external_map_failures']} of them a colocated engine's wake-up"
                   if base.get("external_map_failures") else "")
-        return {"candidate": best["id"],
-                "text": (f"{best['description']}: removes the {base['ooms']} OOM(s) of the unchanged program at "
-                         f"the device's capacity{engine} (peak reserved {format_size(best['peak_reserved'])}, "
-                         f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree)")}
+        lowest = (f"; the lowest peak without OOMs: {best['description']} ({format_size(best['peak_reserved'])}, "
+                  f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree)"
+                  if best["id"] != fix["id"] and not best["ooms"] else "")
+        return {"candidate": fix["id"],
+                "text": (f"{fix['description']}: removes the {base['ooms']} OOM(s) of the unchanged program at "
+                         f"the device's capacity{engine}, the smallest change (peak reserved "
+                         f"{format_size(fix['peak_reserved'])}, {fix['extra_cuda_malloc']:+d} cudaMalloc, "
+                         f"{fix['extra_cuda_free']:+d} cudaFree){lowest}")}
     if best["peak_reserved"] >= base["peak_reserved"] or best["id"] == "none":
         return {"candidate": "none", "text": (f"no flush placement or evaluated setting lowers peak reserved below "
                                                f"{format_size(base['peak_reserved'])}: keep the program as it is")}
@@ -285,7 +390,10 @@ def advise(path: str | Path, max_flushes: int = DEFAULT_MAX_FLUSHES, budget: int
     for si in inputs:
         # a colocated engine's mappings only matter against a device: every candidate replays at --capacity then
         mapped = any(ri.program_columns is not None and ri.program_columns.has_external_mappings() for ri in si.ranks)
-        external = capacity if capacity and mapped else None
+        # without --capacity, the card a recorded engine was sized against (its scenario's capacity_mib)
+        cards = {ri.engine.get("capacity") for ri in si.ranks if ri.engine}
+        card = capacity or (cards.pop() if len(cards) == 1 else None)
+        external = card if card and mapped else None
         ev = Evaluator(si.ranks, procs, external)
         try:
             sections.append(advise_scenario(si, ev, max_flushes, budget, capacity, settings=tuple(settings)))

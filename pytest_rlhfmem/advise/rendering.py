@@ -68,6 +68,8 @@ def text_lines(doc: dict, top: int = 8) -> list[str]:
             lines.append(f"  set it as: {env['variable']}={env['value']}  ({env['why']})")
         if s["budget"]:
             lines.append(f"  budget: {s['budget']['text']}")
+        if s.get("colocated_engine"):
+            lines.append(f"  colocated engine: {s['colocated_engine']['text']}")
         lines.append(f"  ({s['replays']} replays in {s['seconds']:.1f} s; cost = extra calls and bytes vs no "
                      "flush; times only where CUDA flush durations were measured, and then estimates)")
     return lines
@@ -94,6 +96,8 @@ def markdown(doc: dict, top: int = 8) -> str:
             out += [f"_{s['hint']}_", ""]
         if s["budget"]:
             out += [f"**Budget:** {s['budget']['text']}", ""]
+        if s.get("colocated_engine"):
+            out += [f"**Colocated engine:** {s['colocated_engine']['text']}", ""]
         out += ["| # | candidate | peak reserved | vs none | fragmentation at peak | peak phase | cudaMalloc / "
                 "cudaFree | re-acquired | time |", "|---|---|---|---|---|---|---|---|---|"]
         shown = s["candidates"][:top]

@@ -39,8 +39,11 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
     ``immediate`` (default) or ``until-sync`` (``simcuda/library.py: RECORD_STREAM_MODES``).
 
     Returns ``{scenario id: result}``: one result, or two with ``without_flush`` (the same trace replayed
-    without its FLUSH events, keyed by the flush-``none`` scenario's id). A failure inside the iteration
-    is a result with ``status: failed``; a worker that dies or exceeds ``timeout`` seconds raises
+    without its FLUSH events, keyed by the flush-``none`` scenario's id; with a colocated engine
+    (``rollout_engine``, ``tensors='sim'`` only) without the trainer's flush before each wake-up, keyed by the
+    scenario with ``flush_before_wake_up`` False). A colocated engine's run replays at its card (``capacity_mib``).
+    A failure inside the iteration is a result with ``status: failed``; a worker that dies or exceeds ``timeout``
+    seconds raises
     :class:`FakeCudaRunError` (its process group is killed first); SIGINT, SIGTERM or SIGHUP meanwhile kills it
     and raises :class:`~pytest_rlhfmem.rlhf.launch.RunInterrupted`. A work directory this function made
     (no ``work_dir``) is removed after a run whose results are all ``ok``, unless ``keep_work``; a failed
@@ -53,15 +56,22 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
     out = work / f"{name}.json"
     cmd = [sys.executable, "-m", "pytest_rlhfmem.fakecuda.worker", "--scenario", json.dumps(scenario.to_dict()),
            "--rank", str(rank), "--out", str(out), "--tensors", tensors]
-    plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
+    plain = (Scenario.from_dict({**scenario.to_dict(), "overrides": {**scenario.overrides,
+                                                                      "flush_before_wake_up": False}})
+             if scenario.get("rollout_engine") else Scenario.from_dict({**scenario.to_dict(), "flush": "none"}))
     plain_out = work / f"{plain.id.replace('/', '__')}.json"
     if without_flush and plain.id != scenario.id:
         cmd += ["--without-flush-out", str(plain_out)]
     env = dict(os.environ, DS_ACCELERATOR="cuda", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS=str(scenario.get("threads", 1)), PYTHONUNBUFFERED="1")
-    if scenario.get("rollout_engine"):
-        raise ValueError("rollout_engine=True: the colocated engine runs on the CPU route (device cpu); the "
-                         "fake-CUDA route does not record its mappings (docs/colocated-rollout.md)")
+    if scenario.get("rollout_engine") and tensors != "sim":
+        raise ValueError("rollout_engine=True: the colocated engine's mappings are recorded on the simulated CUDA "
+                         "device (tensors='sim') and the CPU route, not with FakeTensorMode "
+                         "(docs/colocated-rollout.md)")
+    if scenario.get("rollout_engine") and without_flush and record_stream == "until-sync":
+        raise ValueError("without_flush with rollout_engine=True derives the run without the flush before wake-up "
+                         "from the same trace: under record_stream='until-sync' that flush's host wait returns "
+                         "blocks, so record both runs instead")
     if scenario.get("hybrid_engine_kernels"):
         from ..rlhf.deepspeed_chat.configs import ppo_setting
 

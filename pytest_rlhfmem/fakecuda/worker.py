@@ -68,6 +68,17 @@ def without_policy_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
                  capture=trace.capture, source=trace.source)
 
 
+def without_wake_up_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
+    """``trace`` without the trainer's ``empty_cache()`` before each colocated engine's wake-up (FLUSH
+    ``before-wake-up``, ``rollout/engine.py``): the run with ``flush_before_wake_up=False``. Exact on this route:
+    a flush moves no allocation of the program, and the simulated device's host waits are not the flush's."""
+    from ..memory.trace import FLUSH, Trace
+    from ..rollout import FLUSH_BEFORE_WAKE_UP
+
+    return Trace(events=[e for e in trace.events if e.action != FLUSH or e.name != FLUSH_BEFORE_WAKE_UP],
+                 capture=trace.capture, source=trace.source)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pytest_rlhfmem.fakecuda.worker")
     ap.add_argument("--scenario", required=True, help="scenario JSON")
@@ -75,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="result JSON path")
     ap.add_argument("--without-flush-out", default=None,
                     help="also write the result of the same trace replayed without its FLUSH events (the "
-                         "scenario with flush 'none'): a fake run's allocations do not depend on the flushes")
+                         "scenario with flush 'none'; with a colocated engine, the scenario with "
+                         "flush_before_wake_up False): a fake run's allocations do not depend on the flushes")
     ap.add_argument("--tensors", choices=TENSORS, default="fake",
                     help="fake: FakeTensorMode with the dispatcher recorder; sim: the simulated CUDA device "
                          "(real ATen tensors, meta kernels in C++, the device's own allocation log)")
@@ -100,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from ..rlhf.common import engine_card_bytes
     from ..rlhf.scenario import Scenario
     from ..record.rank import rank_result
     from . import standins
@@ -152,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                      "traceback": traceback.format_exc()[-6000:]}
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         trace = rec.stop()
-    result = rank_result(scenario, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
+    card = engine_card_bytes(scenario)  # a colocated engine's card: the replay runs at it (None: unlimited)
+    result = rank_result(scenario, rank, world_size, "cuda", rec, trace, info, error, threads, wall, card)
     result.update({
         "route": "sim-cuda" if sim else "fake-cuda",
         "tensors": args.tensors,
@@ -181,13 +195,24 @@ def main(argv: list[str] | None = None) -> int:
         from ..memory.trace_io import save_trace
 
         save_trace(Path(args.out).with_suffix(".rlhftrace"), trace)
-    if args.without_flush_out:
+    if args.without_flush_out and scenario.get("rollout_engine"):  # the engine's run without the trainer's flush
+        plain = Scenario.from_dict({**scenario.to_dict(), "overrides": {**scenario.overrides,
+                                                                        "flush_before_wake_up": False}})
+        t1 = time.perf_counter()
+        trace = without_wake_up_flushes(trace)
+        engine_info = {**(info or {}).get("rollout_engine", {}), "flush_before_wake_up": False}
+        recipe = info and {**info, "rollout_engine": engine_info}
+        other = rank_result(plain, rank, world_size, "cuda", rec, trace, recipe, error, threads, wall, card)
+        other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
+                     derived_from=f"{scenario.id}: same trace, the trainer's FLUSH before each wake-up removed")
+        _write(Path(args.without_flush_out), other)
+    elif args.without_flush_out:
         plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
         t1 = time.perf_counter()
         if sim and getattr(rec.row_source, "flush_syncs", None):  # until-sync: held blocks the policy's waits
             trace = rec.trace_from_rows(rec.row_source.rows(without_flush_syncs=True), None)  # returned come later
         trace = without_policy_flushes(trace)
-        other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall)
+        other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall, card)
         other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
                      derived_from=f"{scenario.id}: same trace, FLUSH events removed")
         _write(Path(args.without_flush_out), other)

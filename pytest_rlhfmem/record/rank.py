@@ -49,14 +49,15 @@ def versions() -> dict:
 
 
 def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, recipe_info: dict | None,
-                error: dict | None, threads: int, wall_s: float) -> dict:
-    """Replay (CPU: free-running through the model; CUDA: anchored to the real trace, real peaks from
-    memory_stats) and assemble this rank's result."""
+                error: dict | None, threads: int, wall_s: float, capacity: int | None = None) -> dict:
+    """Replay (CPU and simulated devices: free-running through the model against ``capacity`` bytes, ``None``
+    unlimited: a colocated engine's scenario gives its card, ``rlhf/common.py: engine_card_bytes``; CUDA: anchored
+    to the real trace, real peaks from memory_stats) and assemble this rank's result."""
     from ..memory.replay import ANCHORED, FREE_RUNNING, replay
     from ..memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
 
     is_cuda = trace.capture == CAPTURE_CUDA
-    result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING)
+    result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING, capacity=None if is_cuda else capacity)
     wall = {p.name: round(p.wall_s, 6) for p in rec.phases}
     phases = []
     for w in result.phases:
@@ -95,6 +96,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "versions": versions(),
         "threads": threads,
         "wall_s": round(wall_s, 6),
+        **({"capacity": capacity} if capacity is not None and not is_cuda else {}),  # bytes the replay ran against
         "total": total,
         "phases": phases,
         "peak_phase": result.peak_phase,
@@ -133,6 +135,7 @@ class RankCapture:
     # per-run records that are not part of the comparable description (e.g. the simulated CUDA device's
     # .item() call sites, which name files): a callable returning a dict merged into the result at finish
     extra: Any = None
+    capacity: int | None = None  # bytes the simulated replay runs against (None: unlimited; rank_result)
     rec: Any = None
     _t0: float = 0.0
     _progress: Path = field(init=False)
@@ -257,7 +260,7 @@ class RankCapture:
 
             self.threads = torch.get_num_threads()
         result = rank_result(self.identity, self.rank, self.world_size, self.device, rec, trace, info, error,
-                             self.threads, wall)
+                             self.threads, wall, self.capacity)
         result["phases"] = merge_windows(result["phases"], rec.phases, self.root, wall)
         history = getattr(rec, "history", None)
         if history is not None:  # CUDA: how the memory history was kept, and the clock the phases were cut by

@@ -133,6 +133,16 @@ class PhaseSteps:
 DEFAULT_CAPACITY_MIB = 81920  # an 80 GiB card: what a colocated engine sizes its KV cache against by default
 
 
+def engine_card_bytes(scenario: Scenario) -> int | None:
+    """The card a colocated rollout engine's scenario runs on (bytes: override ``capacity_mib``, default
+    :data:`DEFAULT_CAPACITY_MIB`); ``None`` without an engine (the replay runs unlimited). The engine sized its KV
+    cache against this card, so the simulated replay runs at it: the trainer's retries and OOMs, and a wake-up the
+    card cannot back, are what such a scenario is for (``record/rank.py: rank_result``'s ``capacity``)."""
+    if not scenario.get("rollout_engine"):
+        return None
+    return int(scenario.get("capacity_mib", DEFAULT_CAPACITY_MIB)) * 2**20
+
+
 def rollout_stand_in(scenario: Scenario, rec: Recorder, actor: torch.nn.Module, dtype: torch.dtype
                      ) -> EngineStandIn | None:
     """A colocated rollout engine for ``scenario`` (override ``rollout_engine``; ``None`` without it), started now:
@@ -147,6 +157,6 @@ def rollout_stand_in(scenario: Scenario, rec: Recorder, actor: torch.nn.Module, 
                              gpu_memory_utilization=scenario.get("gpu_memory_utilization", 0.3),
                              sleep_level=scenario.get("sleep_level", 1) or None,
                              flush_before_wake_up=scenario.get("flush_before_wake_up", True))
-    stand_in = EngineStandIn(engine, rec, scenario.get("capacity_mib", DEFAULT_CAPACITY_MIB) * 2**20)
+    stand_in = EngineStandIn(engine, rec, engine_card_bytes(scenario))
     stand_in.start()
     return stand_in

@@ -36,7 +36,7 @@ from ..hostcpu import fp16_answer
 from ..record.recorder import history_settings
 from ..record.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
-from ..budgets import ENGINE_METRIC_NAMES
+from ..budgets import ENGINE_SIZE_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -235,7 +235,8 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     device = resolve_device(device, (nodes or Nodes()).local_world_size(scenario.world_size))  # GPUs of this node
     if scenario.get("rollout_engine") and device == "cuda":
         raise ScenarioError("override rollout_engine=True: the colocated engine is a stand-in run on the CPU "
-                            "route; on a GPU the real engine's own mappings are not recorded yet")
+                            "route or the fake-CUDA route's simulated device; on a GPU the real engine's own mappings "
+                            "are not recorded yet")
     if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
         try:
             history_settings()
@@ -621,9 +622,11 @@ def culprit_order(failure: dict) -> tuple:
 
 def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | None, timed_out: bool,
               timeout: float, wall_s: float, log_path: Path, agents: dict[int, dict | None] | None = None,
-              nodes: Nodes | None = None) -> dict:
+              nodes: Nodes | None = None, ranks_run: tuple[int, ...] | None = None) -> dict:
     """The scenario result: per metric the maximum over ranks (the budget is per GPU), per phase too,
-    plus every rank's own result. ``status`` is ``ok`` only if every rank finished.
+    plus every rank's own result. ``status`` is ``ok`` only if every rank finished. ``ranks_run``: the ranks that
+    ran (default all of ``scenario.world_size``; the fake-CUDA route runs rank 0 alone on a fake process group),
+    named in the result when not all.
 
     A multi-node run (``nodes``): ``work`` is the shared directory holding every node's ranks, ``agents`` the
     other nodes' agent reports (:func:`_await_agents`; ``None`` for one that sent none); the run failed if any
@@ -640,7 +643,8 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         launchers = " (agents' exit codes: " + ", ".join(f"node {n}: {c}" for n, c in sorted(codes.items())) + ")"
     codes, root_rank = torchrun_failures(logs) if returncode != 0 else ({}, None)
     ranks, failures = [], []
-    for r in range(scenario.world_size):
+    expected = tuple(range(scenario.world_size)) if ranks_run is None else ranks_run
+    for r in expected:
         res_p, prog_p = work / f"result-rank{r}.json", work / f"progress-rank{r}.json"
         if res_p.exists():
             res = json.loads(res_p.read_text())
@@ -666,22 +670,22 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
                              "memory_so_far": so_far, **({"signal": sig} if sig else {}),
                              **({"simulated": bool(prog.get("simulated"))} if peaks else {}),
                              **({"root_cause": True} if root else {})})
-    if ranks and not failures and returncode != 0 and not timed_out and len(ranks) == scenario.world_size:
+    if ranks and not failures and returncode != 0 and not timed_out and len(ranks) == len(expected):
         failures.append(_exit_status_failure(ranks, returncode, logs))
-    if ranks and not failures and timed_out and len(ranks) == scenario.world_size:
+    if ranks and not failures and timed_out and len(ranks) == len(expected):
         failures.append(_exit_hang_failure(ranks, work, timeout))
     if silent and not failures:  # every rank finished, yet an agent never said how it ended
         failures.append({"rank": None, "phase": None, "error": "NoReport",
                          "message": f"node {silent[0]}'s agent wrote no report (node{silent[0]}/agent.json in "
                                     f"{work}) before the deadline{launchers}"})
     failures.sort(key=culprit_order)  # the culprit first, then the bystanders
-    ok = not failures and returncode == 0 and len(ranks) == scenario.world_size
+    ok = not failures and returncode == 0 and len(ranks) == len(expected)
     first = ranks[0] if ranks else {}
     # device figures (simulated on CPU), host figures (measured), the CPU-only host estimate (host.py)
     names = METRIC_NAMES + HOST_METRIC_NAMES + HOST_IO_NAMES + HOST_SWAP_NAMES + ("host_rss_outside_device",) + \
-        ENGINE_METRIC_NAMES
+        ENGINE_SIZE_NAMES
     metrics = {m: max((r["total"].get(m) or 0) for r in ranks) for m in names} if ranks else {}
-    for m in ("host_rss_outside_device",) + ENGINE_METRIC_NAMES:  # only where a rank has them
+    for m in ("host_rss_outside_device",) + ENGINE_SIZE_NAMES:  # only where a rank has them
         if not any(m in r["total"] for r in ranks):
             metrics.pop(m, None)
     phase_names = [p["phase"] for p in first.get("phases", [])]
@@ -709,6 +713,7 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
                                                           "measured")},
         "host_cpu": first.get("host_cpu"),  # what of the host could move a figure (hostcpu.py)
         "world_size": scenario.world_size,
+        **({"ranks_run": list(expected)} if ranks_run is not None else {}),
         "versions": first.get("versions", {}),
         "threads": first.get("threads"),
         "metrics": metrics,

@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ..record.rank import RankCapture
+    from .common import engine_card_bytes
     from ..hostcpu import answer_deepspeed_dtype_checks, force_fp16_answer
     from .scenario import Scenario
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     # handle, so rlhfmem.phase(...) inside a recipe or a library lands in the same trace as rec.phase.
     cap = RankCapture(scenario, args.device, Path(args.out_dir), rank, world_size, capture=not args.no_capture,
                       snapshot_dir=args.snapshot_dir, threads=threads, cuda_emulation=args.cuda_emulation,
-                      description=description)
+                      description=description, capacity=engine_card_bytes(scenario))
     cap.progress("startup")
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

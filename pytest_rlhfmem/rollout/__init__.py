@@ -4,9 +4,11 @@ docs/colocated-rollout.md says which semantics are followed and where they were 
 """
 
 from .engine import (
-    CUDA_GRAPH, KV_CACHE, NEXT_ROLLOUT, SLEEP_LEVELS, WEIGHTS, ColocatedEngine, EngineSettingsError, EngineStandIn,
-    colocated_trace, kv_cache_bytes,
+    CUDA_GRAPH, FLUSH_BEFORE_WAKE_UP, KV_CACHE, NEXT_ROLLOUT, SLEEP_LEVELS, WEIGHTS, ColocatedEngine,
+    EngineSettingsError, EngineStandIn, colocated_trace, kv_cache_bytes, sizes_at, with_mapping_sizes,
 )
 
-__all__ = ["CUDA_GRAPH", "KV_CACHE", "NEXT_ROLLOUT", "SLEEP_LEVELS", "WEIGHTS", "ColocatedEngine",
-           "EngineSettingsError", "EngineStandIn", "colocated_trace", "kv_cache_bytes"]
+__all__ = ["CUDA_GRAPH", "FLUSH_BEFORE_WAKE_UP", "KV_CACHE", "NEXT_ROLLOUT", "SLEEP_LEVELS", "WEIGHTS",
+           "ColocatedEngine",
+           "EngineSettingsError", "EngineStandIn", "colocated_trace", "kv_cache_bytes", "sizes_at",
+           "with_mapping_sizes"]

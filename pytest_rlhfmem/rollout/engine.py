@@ -139,6 +139,24 @@ def _live_bytes(events: list[Event]) -> int:
     return sum(live.values())
 
 
+def sizes_at(record: dict, capacity: int, gpu_memory_utilization: float) -> dict[str, int]:
+    """The mapping sizes (bytes: ``{weights, kv_cache, cuda_graph}``) the engine of ``record`` (a run's
+    :meth:`EngineStandIn.describe`) would have on a card of ``capacity`` bytes at ``gpu_memory_utilization``, beside
+    the same trainer (its ``trainer_allocated_at_start``). Raises :class:`EngineSettingsError` where no KV cache
+    fits (vLLM raises) or the utilization is out of range."""
+    engine = ColocatedEngine(record["weights_bytes"], gpu_memory_utilization, record.get("sleep_level"),
+                             record.get("flush_before_wake_up", True), record.get("activation_peak_bytes", 0),
+                             record.get("cuda_graph_bytes", 0))
+    return engine.sizes(capacity, record["trainer_allocated_at_start"])
+
+
+def with_mapping_sizes(events: list[Event], sizes: dict[str, int]) -> list[Event]:
+    """``events`` with every ``EXTERNAL_MAP``/``EXTERNAL_UNMAP`` of a tag in ``sizes`` resized to it (the same
+    program beside an engine sized otherwise: :func:`sizes_at`); the list keeps its length and order."""
+    return [e._replace(size=sizes[e.name]) if e.action in (EXTERNAL_MAP, EXTERNAL_UNMAP) and e.name in sizes else e
+            for e in events]
+
+
 NEXT_ROLLOUT = "next_rollout"  # the phase colocated_trace appends: the next iteration's wake-up
 
 
@@ -253,6 +271,19 @@ class EngineStandIn:
         self._apply(self.engine.start_events(self.sizes))
         self.awake = self.engine.sleep_level is None
         return self.sizes
+
+    def describe(self) -> dict:
+        """What the engine was, for the result's recipe record and ``rlhfmem advise``'s utilization search (bytes):
+        its settings, the card ``capacity``, the mapping sizes and ``trainer_allocated_at_start`` (what vLLM's
+        profile run counted besides its own weights and temporaries: :meth:`ColocatedEngine.sizes`)."""
+        assert self.sizes is not None, "EngineStandIn.describe before start"
+        e = self.engine
+        return {"engine": "vLLM sleep mode (stand-in, rollout/engine.py)", "capacity": self.capacity,
+                "gpu_memory_utilization": e.gpu_memory_utilization, "sleep_level": e.sleep_level,
+                "flush_before_wake_up": e.flush_before_wake_up, "weights_bytes": e.weights_bytes,
+                "activation_peak_bytes": e.activation_peak_bytes, "cuda_graph_bytes": e.cuda_graph_bytes,
+                "mappings": dict(self.sizes),
+                "trainer_allocated_at_start": self.sizes_info["trainer_allocated_at_start"]}
 
     @contextlib.contextmanager
     def rollout(self) -> Iterator[None]:

@@ -152,4 +152,5 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
         "hybrid_engine": type(actor_engine).__name__ if hybrid_engine else None,
         "batch_size": batch, "prompt_len": prompt_len, "answer_len": answer_len,
         "bucket_elements": buckets, "sequence_shape": list(seq.shape),
+        **({"rollout_engine": rollout.describe()} if rollout is not None else {}),
     }

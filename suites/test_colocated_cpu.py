@@ -15,18 +15,24 @@ CAPACITY_MIB = 128  # the simulated card the engine sizes its KV cache against, 
 ENGINE = {"rollout_engine": True, "capacity_mib": CAPACITY_MIB, "gpu_memory_utilization": 0.71}
 
 
-def scenario(**overrides):
+def scenario(algorithm="ppo", **overrides):
     from pytest_rlhfmem.rlhf.scenario import Scenario
 
-    return Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, overrides)
+    return Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, overrides, algorithm)
 
 
+# GRPO (TRL's GRPOTrainer is the common colocated setup) without a critic holds less when the engine starts, so its
+# KV cache is larger at the same utilization: 0.67 is where its flush decides (advise's search finds 0.66-0.68)
+GRPO = {**ENGINE, "gpu_memory_utilization": 0.67, "group_size": 2}
 SCENARIOS = {
     "engine-off": scenario(),
     "sleep-1-flush": scenario(**ENGINE),  # TRL's order: empty_cache() before wake_up
     "sleep-1-no-flush": scenario(**ENGINE, flush_before_wake_up=False),
     "sleep-2-flush": scenario(**ENGINE, sleep_level=2),
     "never-sleeps": scenario(**ENGINE, sleep_level=0),
+    "grpo-flush": scenario("grpo", **GRPO),
+    "grpo-no-flush": scenario("grpo", **GRPO, flush_before_wake_up=False),
+    "remax-flush": scenario("remax", **{**ENGINE, "gpu_memory_utilization": 0.68}),  # it serves both generations
 }
 
 
@@ -57,6 +63,25 @@ def test_the_flush_before_wake_up_decides_whether_the_engine_wakes_up(iteration_
     assert flushed.external_map_failures == [] and flushed.total.ooms == 0
     assert flushed.peak_device_used <= CAPACITY_MIB * MiB < held.peak_device_used + held.external_map_failures[0][
         "bytes"]
+
+
+def test_grpo_and_remax_run_beside_the_engine(iteration_result):
+    """The critic-free iterations with the engine (rlhf/deepspeed_chat/critic_free_iteration.py): GRPO's group
+    sampling and ReMax's sampled and greedy answers are the engine's work, it wakes up again after training, and for
+    GRPO at 0.67 the flush before wake-up decides whether it can (simulated, at the card)."""
+    held = iteration_result(SCENARIOS["grpo-no-flush"])
+    flushed = iteration_result(SCENARIOS["grpo-flush"])
+    remax = iteration_result(SCENARIOS["remax-flush"])
+    assert held.metrics["ooms"] == 1 and flushed.metrics["ooms"] == 0 and remax.metrics["ooms"] == 0
+    for r in (flushed, remax):
+        assert NEXT_ROLLOUT in r.phases and r["ranks"][0]["recipe"]["rollout_engine"]["mappings"]["kv_cache"] > 0
+    events = load_trace(remax["ranks"][0]["trace_file"]).events
+    phase, sleeps = None, []
+    for e in events:
+        phase = e.name if e.action == "phase" else phase
+        if e.action == "external_unmap" and e.name == "kv_cache":
+            sleeps.append(phase)
+    assert sleeps == ["init", "generate_greedy"]  # asleep at start, then after both generations
 
 
 def test_sleep_levels_release_the_same_device_bytes(iteration_result):

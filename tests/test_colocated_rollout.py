@@ -144,8 +144,12 @@ def test_scenario_overrides_of_the_engine_are_one_line(overrides, message):
     with pytest.raises(ScenarioError) as exc:
         Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, overrides)
     assert str(exc.value) == message
-    with pytest.raises(ScenarioError, match="flag of DeepSpeed-Chat's PPO script"):
-        Scenario("deepspeed-chat", "tiny-opt", "none", "none", 1, {"rollout_engine": True}, "grpo")
+    with pytest.raises(ScenarioError, match="wired into DeepSpeed-Chat's iterations of ppo, grpo, remax: got "
+                                            "'colossalchat' / 'ppo'"):
+        Scenario("colossalchat", "tiny-opt", "none", "none", 1, {"rollout_engine": True})
+    with pytest.raises(ScenarioError, match="not Hydra-PPO's"):
+        Scenario("deepspeed-chat", "tiny-opt", "hydra", "none", 1, {"rollout_engine": True})
+    Scenario("deepspeed-chat", "tiny-opt", "none", "none", 1, {"rollout_engine": True, "group_size": 2}, "grpo")
     s = Scenario("deepspeed-chat", "tiny-opt", "zero2", "none", 1, {"rollout_engine": True, "sleep_level": 2})
     assert s.id.endswith("/x1/rollout_engine=True,sleep_level=2")
 

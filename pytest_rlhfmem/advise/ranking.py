@@ -140,8 +140,9 @@ def engine_search(si: ScenarioInput, evaluator: Evaluator, base: dict, row: Row)
     the trainer's flush right before every wake-up (the boundaries :func:`wake_up_names` finds; TRL's
     ``sync_weights`` and verl's ``rollout_mode`` call ``empty_cache()`` there), costed as any flush (extra
     cudaMalloc/cudaFree against the unchanged program; a time only where CUDA flushes were measured), and
-    ``gpu_memory_utilization`` from 0.05 to 0.95 (and the recorded one) with and without that flush, each rank's
-    KV cache sized as vLLM sizes it on that device (``rollout/engine.py: sizes_at``). ``None`` where the input
+    ``gpu_memory_utilization`` from 0.05 to 0.95 in steps of 0.05 (and the recorded one), then of 0.01 where a
+    setting's OOMs begin, with and without that flush, each rank's KV cache sized as vLLM sizes it on that device
+    (``rollout/engine.py: sizes_at``). ``None`` where the input
     records no engine (every rank's ``recipe.rollout_engine``), has no capacity, or no wake-up boundary. The
     largest utilization without an OOM is reported for each; OOMs are taken as they come at each point (no
     monotonicity assumed). Sizes are bytes."""
@@ -165,13 +166,31 @@ def engine_search(si: ScenarioInput, evaluator: Evaluator, base: dict, row: Row)
         points.append({"utilization": u, "kv_cache": kv})
         specs += [Spec(utilization=u), Spec(flushes=wake, utilization=u)]
     evaluator.evaluate(specs)
-    for pt in points:
-        if pt["kv_cache"] is None:
-            continue
+
+    def fill(pt: dict) -> None:
         for key, fl in (("no_flush", ()), ("flush_before_wake_up", wake)):
             r = evaluator.cache[Spec(flushes=fl, utilization=pt["utilization"])]
             pt[key] = {k: r[k] for k in ("ooms", "alloc_retries", "external_map_failures", "peak_reserved",
                                          "peak_device_used")}
+
+    for pt in points:
+        if pt["kv_cache"] is not None:
+            fill(pt)
+    # to 0.01 where a setting's OOMs begin: between the last point that fits and the next
+    extra: list[dict] = []
+    for key in ("no_flush", "flush_before_wake_up"):
+        sized = [p for p in points if p["kv_cache"] is not None]
+        for lo, hi in zip(sized, sized[1:]):
+            if lo[key]["ooms"] == 0 and hi[key]["ooms"] > 0:
+                for k in range(1, round((hi["utilization"] - lo["utilization"]) * 100)):
+                    u = round(lo["utilization"] + 0.01 * k, 2)
+                    if all(p["utilization"] != u for p in points + extra):
+                        extra.append({"utilization": u, "kv_cache": max(sizes_at(r, capacity, u)[KV_CACHE]
+                                                                        for r in records)})
+    evaluator.evaluate([Spec(flushes=fl, utilization=p["utilization"]) for p in extra for fl in ((), wake)])
+    for pt in extra:
+        fill(pt)
+    points = sorted(points + extra, key=lambda p: p["utilization"])
 
     def largest(key: str) -> dict | None:
         fits = [p for p in points if p["kv_cache"] is not None and p[key]["ooms"] == 0]
@@ -336,10 +355,16 @@ def _recommend(best: dict, base: dict, torch_version: str | None = None, ranked:
     OOMs at the device's capacity, the recommendation is the smallest change of ``ranked`` without any
     (:func:`_smallest`: a fix first), and the lowest peak among them is named beside it when it is another."""
     fits = [r for r in (ranked or [best]) if not r["ooms"] and r["id"] != "none"]
-    if base["ooms"] and fits:  # at the device's capacity: what makes it fit, the smallest change
+    engine = (f", {base['external_map_failures']} of them a colocated engine's wake-up"
+              if base.get("external_map_failures") else "")
+    if base["ooms"] and not fits:
+        return {"candidate": "none",
+                "text": (f"no flush placement or evaluated setting removes the {base['ooms']} OOM(s) of the unchanged "
+                         f"program at the device's capacity{engine}: it needs less memory (a smaller batch or "
+                         "sequence, a ZeRO stage or offload, a colocated engine's lower gpu_memory_utilization) or "
+                         "a larger device")}
+    if base["ooms"]:  # at the device's capacity: what makes it fit, the smallest change
         fix = _smallest(fits)
-        engine = (f", {base['external_map_failures']} of them a colocated engine's wake-up"
-                  if base.get("external_map_failures") else "")
         lowest = (f"; the lowest peak without OOMs: {best['description']} ({format_size(best['peak_reserved'])}, "
                   f"{best['extra_cuda_malloc']:+d} cudaMalloc, {best['extra_cuda_free']:+d} cudaFree)"
                   if best["id"] != fix["id"] and not best["ooms"] else "")

@@ -55,8 +55,9 @@ ROLLOUT_ENGINE_SETTINGS = ("sleep_level", "gpu_memory_utilization", "flush_befor
 SLEEP_LEVELS = (0, 1, 2)  # 0: never sleeps
 NULLABLE = ("actor_dropout",)  # None: not set (actor_dropout None keeps the model config's dropout)
 # overrides that are a DeepSpeed-Chat training-script flag
-DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels", "rollout_engine",
-                       *ROLLOUT_ENGINE_SETTINGS)
+DEEPSPEED_CHAT_ONLY = ("ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels")
+# the colocated rollout engine: wired into DeepSpeed-Chat's PPO and critic-free iterations
+ROLLOUT_ENGINE_ALGORITHMS = ("ppo", "grpo", "remax")
 
 
 class ScenarioError(ValueError):
@@ -107,6 +108,12 @@ class Scenario:
             if k in self.overrides and (self.framework != "deepspeed-chat" or self.algorithm != "ppo"):
                 raise ScenarioError(f"override {k} is a flag of DeepSpeed-Chat's PPO script: framework must be "
                                     f"deepspeed-chat and algorithm ppo, got {self.framework!r} / {self.algorithm!r}")
+        for k in ("rollout_engine", *ROLLOUT_ENGINE_SETTINGS):
+            if k in self.overrides and (self.framework != "deepspeed-chat"
+                                        or self.algorithm not in ROLLOUT_ENGINE_ALGORITHMS):
+                raise ScenarioError(f"override {k} sets the colocated rollout engine, wired into DeepSpeed-Chat's "
+                                    f"iterations of {', '.join(ROLLOUT_ENGINE_ALGORITHMS)}: got "
+                                    f"{self.framework!r} / {self.algorithm!r}")
         if self.overrides.get("hybrid_engine_kernels") and self.overrides.get("hybrid_engine") is False:
             raise ScenarioError("override hybrid_engine_kernels=True injects the Hybrid Engine's kernels: it needs "
                                 "hybrid_engine True (or unset where the pair's script enables it), got False")

@@ -16,7 +16,8 @@ import torch
 
 from ...record.recorder import Recorder
 from .. import critic_free, ppo
-from ..common import PhaseSteps, full_attention_mask, random_prompts
+from ...rollout import NEXT_ROLLOUT
+from ..common import PhaseSteps, full_attention_mask, random_prompts, rollout_stand_in
 from ..scenario import DEFAULT_GROUP_SIZE, Scenario
 from .builders import init_actor_and_ref, init_reward, offloaded_tensors, optimizer_state_summary
 from .configs import STRATEGY_SETTINGS, get_eval_ds_config, get_train_ds_config, scenario_settings
@@ -47,6 +48,7 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
         reward_engine = init_reward(scenario, pair, rec,
                                     get_eval_ds_config(reward_stage, offload, dtype, batch, world_size, buckets),
                                     dtype)
+        rollout = rollout_stand_in(scenario, rec, actor_engine.module, dtype)  # LLM(...) last, as TRL; or None
 
     prompts, prompt_mask, pad_id = random_prompts(pair, st["batch"], prompt_len, device)  # [prompts, prompt_len]
     if grpo:  # a group of samples per prompt, adjacent: [b, prompt_len], b = prompts * group_size
@@ -54,7 +56,7 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
     actor_engine.eval()
     # [b, prompt_len + answer_len] each; ReMax's argmax answers are its baseline (None for GRPO)
     seq, greedy = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, greedy=not grpo,
-                           synced_gpus=stage == 3)
+                           rollout=rollout, synced_gpus=stage == 3)
     attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
     with torch.no_grad():  # the actor stays in eval mode; each forward is reduced to its log-probs at once
         with steps("infer_actor"):  # [b, prompt_len + answer_len - 1]
@@ -91,6 +93,9 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
         rec.host_resident(offloaded_tensors(actor_engine, offload))
     if grad_ckpt:
         actor_engine.module.gradient_checkpointing_disable()
+    if rollout is not None:  # the next iteration begins by waking the engine up beside what training left cached
+        with rec.phase(NEXT_ROLLOUT):
+            rollout.wake_up()
     return {
         "algorithm": scenario.algorithm, "critic_built": False, "group_size": group if grpo else None,
         "actor_loss": float(actor_loss.detach().float()),
@@ -99,4 +104,5 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
         "reward_stage": reward_stage, "offload": offload, "gradient_checkpointing": grad_ckpt, "lora_dim": lora_dim,
         "batch_size": st["batch"], "sequences": batch, "prompt_len": prompt_len, "answer_len": answer_len,
         "bucket_elements": buckets, "sequence_shape": list(seq.shape),
+        **({"rollout_engine": rollout.describe()} if rollout is not None else {}),
     }

@@ -28,17 +28,24 @@ def generate(steps: PhaseSteps, model: Any, prompts: torch.Tensor, prompt_mask: 
     then phase ``generate_greedy``: ReMax's baseline, the argmax answer to each prompt. ``prompts`` and
     ``prompt_mask`` are ``[b, prompt_len]`` (left-padded: ``common.random_prompts``); ``options`` go to both
     ``generate`` calls (the engines' ``synced_gpus``). ``rollout``: a colocated engine's stand-in
-    (``rollout.EngineStandIn``): it wakes up inside ``generate`` and the sampling is its work (what the actor's
-    ``generate`` allocates and frees there leaves the trace), then it sleeps. Returns the sampled sequences and the
+    (``rollout.EngineStandIn``): it wakes up inside ``generate`` and the sampling (with ``greedy`` the argmax
+    answers too) is its work (what the actor's ``generate`` allocates and frees there leaves the trace), then it
+    sleeps, inside the last generation's phase. Returns the sampled sequences and the
     greedy ones (None without ``greedy``), each ``[b, prompt_len + answer_len]``."""
     kwargs = {"attention_mask": prompt_mask, "max_new_tokens": answer_len, "min_new_tokens": answer_len,
               "pad_token_id": pad_id, "use_cache": True, **options}
-    with steps("generate"), torch.no_grad(), (rollout.rollout() if rollout is not None else contextlib.nullcontext()):
-        seq = model.generate(prompts, do_sample=True, **kwargs)  # [b, prompt_len + answer_len]
     baseline = None
-    if greedy:
-        with steps("generate_greedy"), torch.no_grad():
-            baseline = model.generate(prompts, do_sample=False, **kwargs)  # [b, prompt_len + answer_len]
+    with contextlib.ExitStack() as engine:  # a rollout engine serves both generations, then sleeps
+        with steps("generate"), torch.no_grad():
+            if rollout is not None:
+                engine.enter_context(rollout.rollout())
+            seq = model.generate(prompts, do_sample=True, **kwargs)  # [b, prompt_len + answer_len]
+            if not greedy:
+                engine.close()
+        if greedy:
+            with steps("generate_greedy"), torch.no_grad():
+                baseline = model.generate(prompts, do_sample=False, **kwargs)  # [b, prompt_len + answer_len]
+                engine.close()
     return seq, baseline
 
 

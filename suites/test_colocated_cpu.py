@@ -153,3 +153,15 @@ def test_the_simulated_device_route_records_the_engine(tmp_path):
     assert ok["total"]["engine_mapped_peak"] == held["total"]["engine_mapped_peak"] > 0
     assert held["recipe"]["rollout_engine"]["flush_before_wake_up"] is False
     assert ok["recipe"]["rollout_engine"]["mappings"]["kv_cache"] > 0
+    # the study's scale runs rank 0 of 4 alone (suites/test_colocated_study.py): aggregated with ranks_run, the
+    # result is that rank's and says so; without it the missing ranks fail it
+    import json
+
+    from pytest_rlhfmem.rlhf.launch import aggregate
+    from pytest_rlhfmem.rlhf.scenario import Scenario
+
+    (tmp_path / "result-rank0.json").write_text(json.dumps(held))
+    four = Scenario.from_dict({**SCENARIOS["sleep-1-no-flush"].to_dict(), "world_size": 4})
+    alone = aggregate(four, "cuda", tmp_path, 0, False, 60.0, 1.0, tmp_path / "none.log", ranks_run=(0,))
+    assert alone["status"] == "ok" and alone["ranks_run"] == [0] and alone["metrics"]["ooms"] == 1
+    assert aggregate(four, "cuda", tmp_path, 0, False, 60.0, 1.0, tmp_path / "none.log")["status"] == "failed"

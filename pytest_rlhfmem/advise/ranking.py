@@ -135,17 +135,16 @@ def wake_up_names(si: ScenarioInput) -> frozenset[str]:
 UTILIZATIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05 .. 0.95: vLLM's gpu_memory_utilization
 
 
-def engine_search(si: ScenarioInput, evaluator: Evaluator, base: dict, row: Row) -> dict | None:
+def engine_search(si: ScenarioInput, evaluator: Evaluator, row: Row) -> dict | None:
     """A colocated rollout engine's two settings, at the device's capacity (``evaluator.device_capacity``):
     the trainer's flush right before every wake-up (the boundaries :func:`wake_up_names` finds; TRL's
     ``sync_weights`` and verl's ``rollout_mode`` call ``empty_cache()`` there), costed as any flush (extra
     cudaMalloc/cudaFree against the unchanged program; a time only where CUDA flushes were measured), and
     ``gpu_memory_utilization`` from 0.05 to 0.95 in steps of 0.05 (and the recorded one), then of 0.01 where a
     setting's OOMs begin, with and without that flush, each rank's KV cache sized as vLLM sizes it on that device
-    (``rollout/engine.py: sizes_at``). ``None`` where the input
-    records no engine (every rank's ``recipe.rollout_engine``), has no capacity, or no wake-up boundary. The
-    largest utilization without an OOM is reported for each; OOMs are taken as they come at each point (no
-    monotonicity assumed). Sizes are bytes."""
+    (``rollout/engine.py: sizes_at``). ``None`` where the input records no engine (every rank's
+    ``recipe.rollout_engine``), has no capacity, or no wake-up boundary. The largest utilization without an OOM is
+    reported for each; OOMs are taken as they come at each point (no monotonicity assumed). Sizes are bytes."""
     records = [ri.engine for ri in si.ranks]
     capacity = evaluator.device_capacity
     wake = tuple(n for n in common_boundaries(si.ranks) if n in wake_up_names(si))
@@ -267,7 +266,7 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
     rows_by_id = {cid: row(cid, kind, spec) for cid, (kind, spec) in specs.items()}
     add_combinations(rows_by_id, families, evaluator, row, base)
     ranked, policies = rank_rows(rows_by_id, policies)
-    engine = engine_search(si, evaluator, base, row)
+    engine = engine_search(si, evaluator, row)
     recommendation = _recommend(ranked[0], base, si.torch_version, ranked)
     if engine and "expandable_segments:True" in recommendation["text"]:
         engine["text"] += (". Expandable segments beside an engine: vLLM turns them off inside its own pool, SGLang's "

@@ -45,7 +45,8 @@ def engine(card_gib: int, level: int, flush: bool = True) -> Scenario:
 
 def _run(sc: Scenario, work: Path, monkeypatch) -> None:
     """Run ``sc`` as rank 0 of 4 on the simulated device (with an engine: also its twin without the flush before
-    wake-up) and cache each result as the launcher aggregates it; the twin's trace is written beside it (advise)."""
+    wake-up) and cache each result as the launcher aggregates it, naming the trace the worker wrote beside it
+    (advise)."""
     monkeypatch.setenv("RLHFMEM_FAKECUDA_SAVE_TRACE", "1")
     try:
         results = run_fake_cuda(sc, work_dir=work, without_flush=bool(sc.get("rollout_engine")), timeout=TIMEOUT_S,
@@ -53,6 +54,9 @@ def _run(sc: Scenario, work: Path, monkeypatch) -> None:
     except FakeCudaRunError as exc:  # the worker died or hung: its log's tail, no traceback of this test
         pytest.fail(str(exc), pytrace=False)
     for sid, rank in results.items():
+        trace = work / (sid.replace("/", "__") + ".rlhftrace")
+        if trace.exists():
+            rank["trace_file"] = str(trace)
         rank_dir = work / sid.replace("/", "__").replace("=", "-").replace(",", "_")
         rank_dir.mkdir()
         (rank_dir / "result-rank0.json").write_text(json.dumps(rank))
@@ -60,14 +64,6 @@ def _run(sc: Scenario, work: Path, monkeypatch) -> None:
         _cache[sid] = IterationResult(aggregate(cell, "cuda", rank_dir, 0 if rank["status"] == "ok" else 1, False,
                                                 TIMEOUT_S, rank["process_wall_s"], rank_dir / "no-launcher.log",
                                                 ranks_run=(0,)))  # rank 0 of 4, on a fake process group
-    trace = work / (sc.id.replace("/", "__") + ".rlhftrace")
-    if sc.get("rollout_engine") and trace.exists():  # the twin's trace: the same without the flush before wake-up
-        from pytest_rlhfmem.fakecuda.worker import without_wake_up_flushes
-        from pytest_rlhfmem.memory.trace_io import load_trace, save_trace
-
-        twin = _cache[engine(sc.get("capacity_mib") // 1024, sc.get("sleep_level"), flush=False).id]
-        twin["ranks"][0]["trace_file"] = str(save_trace(work / "twin.rlhftrace", without_wake_up_flushes(
-            load_trace(trace))))
 
 
 def _result(sc: Scenario, work: Path, monkeypatch) -> IterationResult:

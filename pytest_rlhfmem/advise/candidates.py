@@ -153,8 +153,6 @@ def describe(spec: Spec, wake_up: frozenset[str] = frozenset()) -> str:
                                              for n in spec.flushes]))
     if spec.alloc_conf:
         parts.append(f"PYTORCH_CUDA_ALLOC_CONF={spec.alloc_conf}")
-    if spec.utilization is not None:
-        parts.append(f"gpu_memory_utilization {spec.utilization:.2f}")
     return " + ".join(parts) or "no flush, settings as recorded"
 
 

@@ -54,12 +54,12 @@ def candidate_row(si: ScenarioInput, evaluator: Evaluator, base: dict, policy_na
     """One candidate's row: its replayed figures (max over ranks), its description and its cost against
     ``base`` (the no-flush candidate's figures)."""
     c = dict(evaluator.cache[spec])
-    desc = describe(spec, wake_up_names(si))
+    wake = wake_up_names(si)
+    desc = describe(spec, wake)
     if kind == "policy":
         desc = f"study policy {policy_names.get(cid, cid)} ({len(spec.flushes)} flushes)"
     elif kind == "recorded":
         desc = f"flushes as recorded ({si.flush_policy or 'the program'}'s)"
-    wake = wake_up_names(si)
     c.update({"id": cid, "kind": kind, "description": desc, "flushes_at": list(spec.flushes),
               "before_wake_up": bool(spec.flushes) and all(n in wake for n in spec.flushes),
               "alloc_conf": spec.alloc_conf, "capacity": spec.capacity,
@@ -177,8 +177,8 @@ def engine_search(si: ScenarioInput, evaluator: Evaluator, row: Row) -> dict | N
             fill(pt)
     # to 0.01 where a setting's OOMs begin: between the last point that fits and the next
     extra: list[dict] = []
+    sized = [p for p in points if p["kv_cache"] is not None]
     for key in ("no_flush", "flush_before_wake_up"):
-        sized = [p for p in points if p["kv_cache"] is not None]
         for lo, hi in zip(sized, sized[1:]):
             if lo[key]["ooms"] == 0 and hi[key]["ooms"] > 0:
                 for k in range(1, round((hi["utilization"] - lo["utilization"]) * 100)):

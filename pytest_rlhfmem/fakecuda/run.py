@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..rlhf.launch import RunInterrupted, interruptible
 from ..rlhf.scenario import Scenario
+from .worker import twin_without_flush
 
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -56,9 +57,7 @@ def run_fake_cuda(scenario: Scenario, rank: int = 0, timeout: float = DEFAULT_TI
     out = work / f"{name}.json"
     cmd = [sys.executable, "-m", "pytest_rlhfmem.fakecuda.worker", "--scenario", json.dumps(scenario.to_dict()),
            "--rank", str(rank), "--out", str(out), "--tensors", tensors]
-    plain = (Scenario.from_dict({**scenario.to_dict(), "overrides": {**scenario.overrides,
-                                                                      "flush_before_wake_up": False}})
-             if scenario.get("rollout_engine") else Scenario.from_dict({**scenario.to_dict(), "flush": "none"}))
+    plain = twin_without_flush(scenario)
     plain_out = work / f"{plain.id.replace('/', '__')}.json"
     if without_flush and plain.id != scenario.id:
         cmd += ["--without-flush-out", str(plain_out)]

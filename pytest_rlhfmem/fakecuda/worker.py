@@ -79,6 +79,27 @@ def without_wake_up_flushes(trace):  # noqa: ANN001, ANN201 - memory.trace.Trace
                  capture=trace.capture, source=trace.source)
 
 
+def twin_without_flush(scenario):  # noqa: ANN001, ANN201 - rlhf.scenario.Scenario
+    """The scenario whose run is ``scenario``'s trace without its flushes (``--without-flush-out``): with a colocated
+    engine the one with ``flush_before_wake_up`` False (:func:`without_wake_up_flushes`), else the one with flush
+    ``none`` (:func:`without_policy_flushes`). ``run.py`` keys the twin's result by its id."""
+    from ..rlhf.scenario import Scenario
+
+    if scenario.get("rollout_engine"):
+        return Scenario.from_dict({**scenario.to_dict(), "overrides": {**scenario.overrides,
+                                                                        "flush_before_wake_up": False}})
+    return Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
+
+
+def _save_trace_beside(result_path: Path, trace) -> None:  # noqa: ANN001 - memory.trace.Trace
+    """With ``$RLHFMEM_FAKECUDA_SAVE_TRACE`` set: ``trace`` beside its result (``.rlhftrace``), for replays of it
+    (``rlhfmem replay``, ``rlhfmem advise``)."""
+    if os.environ.get(ENV_SAVE_TRACE):
+        from ..memory.trace_io import save_trace
+
+        save_trace(result_path.with_suffix(".rlhftrace"), trace)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pytest_rlhfmem.fakecuda.worker")
     ap.add_argument("--scenario", required=True, help="scenario JSON")
@@ -191,31 +212,26 @@ def main(argv: list[str] | None = None) -> int:
                                     "live_by_site_at_phase_end", "startup_s", "iteration_cpu_s",
                                     "process_cpu_s", "host_rss_peak")}
     _write(Path(args.out), result)
-    if os.environ.get(ENV_SAVE_TRACE):  # the trace beside the result, for replays of it (rlhfmem replay)
-        from ..memory.trace_io import save_trace
-
-        save_trace(Path(args.out).with_suffix(".rlhftrace"), trace)
-    if args.without_flush_out and scenario.get("rollout_engine"):  # the engine's run without the trainer's flush
-        plain = Scenario.from_dict({**scenario.to_dict(), "overrides": {**scenario.overrides,
-                                                                        "flush_before_wake_up": False}})
+    _save_trace_beside(Path(args.out), trace)
+    if args.without_flush_out:
         t1 = time.perf_counter()
-        trace = without_wake_up_flushes(trace)
-        engine_info = {**(info or {}).get("rollout_engine", {}), "flush_before_wake_up": False}
-        recipe = info and {**info, "rollout_engine": engine_info}
-        other = rank_result(plain, rank, world_size, "cuda", rec, trace, recipe, error, threads, wall, card)
+        recipe = info
+        if scenario.get("rollout_engine"):  # the engine's run without the trainer's flush before each wake-up
+            trace = without_wake_up_flushes(trace)
+            recipe = info and {**info, "rollout_engine": {**info.get("rollout_engine", {}),
+                                                          "flush_before_wake_up": False}}
+            removed = "the trainer's FLUSH before each wake-up removed"
+        else:
+            if sim and getattr(rec.row_source, "flush_syncs", None):  # until-sync: held blocks the policy's waits
+                trace = rec.trace_from_rows(rec.row_source.rows(without_flush_syncs=True), None)  # returned later
+            trace = without_policy_flushes(trace)
+            removed = "FLUSH events removed"
+        other = rank_result(twin_without_flush(scenario), rank, world_size, "cuda", rec, trace, recipe, error,
+                            threads, wall, card)
         other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
-                     derived_from=f"{scenario.id}: same trace, the trainer's FLUSH before each wake-up removed")
+                     derived_from=f"{scenario.id}: same trace, {removed}")
         _write(Path(args.without_flush_out), other)
-    elif args.without_flush_out:
-        plain = Scenario.from_dict({**scenario.to_dict(), "flush": "none"})
-        t1 = time.perf_counter()
-        if sim and getattr(rec.row_source, "flush_syncs", None):  # until-sync: held blocks the policy's waits
-            trace = rec.trace_from_rows(rec.row_source.rows(without_flush_syncs=True), None)  # returned come later
-        trace = without_policy_flushes(trace)
-        other = rank_result(plain, rank, world_size, "cuda", rec, trace, info, error, threads, wall, card)
-        other.update(extra, replay_s=round(time.perf_counter() - t1, 3),
-                     derived_from=f"{scenario.id}: same trace, FLUSH events removed")
-        _write(Path(args.without_flush_out), other)
+        _save_trace_beside(Path(args.without_flush_out), trace)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if error else 0)  # skip teardown of DeepSpeed/fake-mode state: the result is written

@@ -9,6 +9,5 @@ from .engine import (
 )
 
 __all__ = ["CUDA_GRAPH", "FLUSH_BEFORE_WAKE_UP", "KV_CACHE", "NEXT_ROLLOUT", "SLEEP_LEVELS", "WEIGHTS",
-           "ColocatedEngine",
-           "EngineSettingsError", "EngineStandIn", "colocated_trace", "kv_cache_bytes", "sizes_at",
+           "ColocatedEngine", "EngineSettingsError", "EngineStandIn", "colocated_trace", "kv_cache_bytes", "sizes_at",
            "with_mapping_sizes"]

@@ -14,11 +14,11 @@ import os
 import shlex
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..owned import WorkDirError, claim_work_dir, remove_work
 from ..record.recorder import history_settings
 from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, progress_line,
                            resolve_device, run_process_group)
@@ -232,13 +232,15 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     elif sim_values is not None:
         raise CommandError(f"sim_values {sim_values!r} chooses whether the simulated CUDA device computes values: "
                            f"it needs device cuda-sim, got {device}")
-    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-capture-"))
-    work.mkdir(parents=True, exist_ok=True)
+    try:  # a work directory the caller made is never removed, and must hold nothing (owned.py)
+        work, created = claim_work_dir(work_dir, "rlhfmem-capture-")
+    except WorkDirError as exc:
+        raise CommandError(str(exc)) from None
     try:
-        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd, on_progress)
+        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd,
+                       on_progress) | {"work_dir_created": created}
     except CommandError:
-        if not work_dir:  # nothing was measured; the message quotes the command's last output line
-            shutil.rmtree(work, ignore_errors=True)
+        remove_work(work, created)  # nothing was measured; the message quotes the command's last output line
         raise
 
 

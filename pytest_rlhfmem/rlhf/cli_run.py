@@ -62,9 +62,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                         "builds and the iteration; past it every process is killed and the run reported as hung")
     r.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     r.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
-    r.add_argument("--work-dir", default=None, help="the ranks' files go here (default: a new temporary directory; "
-                                                   "removed after a run that succeeded, as --keep-work says); with "
-                                                   "--nnodes > 1 an empty directory every node shares")
+    r.add_argument("--work-dir", default=None,
+                   help="the ranks' files go here: a new or empty directory (default: a new temporary one). After a "
+                        "run that succeeded the run's own files are removed, and the directory too if the run made "
+                        "it, as --keep-work says; with --nnodes > 1 a directory every node shares")
     add_node_arguments(r)
     add_measurement_arguments(r)
     add_keep_work_argument(r)
@@ -174,10 +175,11 @@ def _run(args: argparse.Namespace) -> int:
         if nodes.multi_node and args.time_rounds > 1:
             raise ScenarioError(f"--time-rounds {args.time_rounds} with --nnodes {nodes.nnodes}: one round per "
                                 f"multi-node launch (every node's agent would have to start each round)")
+        work_dirs = [args.work_dir]  # the first round's (its figures and traces are kept); then new temporary ones
         result, rounds = run_rounds(lambda snapshots: run_scenario(
             scenario, device=args.device, timeout=args.timeout, snapshot_dir=snapshots,
-            cuda_emulation=args.cuda_emulation, work_dir=args.work_dir, nodes=nodes), args.time_rounds,
-            args.snapshot_dir)
+            cuda_emulation=args.cuda_emulation, work_dir=work_dirs.pop() if work_dirs else None, nodes=nodes),
+            args.time_rounds, args.snapshot_dir)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
     if result.get("role") == "agent":  # a node of rank > 0: the node-rank-0 agent has the figures

@@ -15,13 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +30,7 @@ from ..cbuild import cache_dir
 from ..units import format_size
 from ..hardware import cuda_device_count
 from ..hostcpu import fp16_answer
+from ..owned import WorkDirError, claim_work_dir, is_run_process, new_token, remove_work, run_env, start_ticks
 from ..record.recorder import history_settings
 from ..record.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
@@ -254,8 +252,10 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         require_libaio()
     nodes = nodes or Nodes()
     nodes.check(scenario.world_size, work_dir)
-    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="rlhfmem-"))
-    work.mkdir(parents=True, exist_ok=True)
+    try:  # a --work-dir the user made is never removed, and must hold nothing (owned.py)
+        work, created = claim_work_dir(work_dir, "rlhfmem-", shared=nodes.multi_node)
+    except WorkDirError as exc:
+        raise ScenarioError(str(exc)) from None
     if nodes.multi_node:
         _check_fresh_work(work, nodes)
     t0 = time.perf_counter()
@@ -263,11 +263,11 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
         with interruptible():
             op_build_s = round(prebuild_ops(device, jit_ops(scenario, device), timeout), 3)
     except (ScenarioError, RunInterrupted) as exc:
-        if not work_dir:  # nothing ran in it yet
-            shutil.rmtree(work, ignore_errors=True)
+        remove_work(work, created)  # nothing ran in it yet
         if isinstance(exc, RunInterrupted):
-            exc.note(None, {}, removed=not work_dir)
+            exc.note(None, {}, removed=created)
         raise
+    mine = {"op_build_s": op_build_s, "work_dir_created": created}
     timeout_left = max(1.0, timeout - (time.perf_counter() - t0))
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(scenario.world_size),
            "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={work / TORCHRUN_LOG_DIR}",
@@ -283,27 +283,29 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     if not nodes.multi_node:
         returncode, timed_out = run_process_group(cmd, log_path, env, timeout_left, work)
         return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,
-                         log_path) | {"op_build_s": op_build_s}
+                         log_path) | mine
     deadline = time.monotonic() + timeout + 30.0  # another agent's own timeout, its SIGTERM grace and report
     returncode, timed_out = _run_agent(cmd, env, timeout_left, work, nodes)
     if nodes.node_rank != 0:
         return _agent_result(scenario, device, nodes, returncode, timed_out, work) | {"op_build_s": op_build_s}
     agents = _await_agents(work, nodes, scenario.world_size, deadline)
     return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,
-                     work / "node0" / "launcher.log", agents=agents, nodes=nodes) | {"op_build_s": op_build_s}
+                     work / "node0" / "launcher.log", agents=agents, nodes=nodes) | mine
 
 
 def finish_work(result: dict, keep: bool = False) -> Path | None:
     """After a run's result is used (its JSON and traces written): remove its work directory
     (``result["work_dir"]``: the ranks' files, the launcher log) unless ``keep``; a failed run's is always
-    kept, its log and the ranks' files say what went wrong. Returns the directory kept (for the caller to
+    kept, its log and the ranks' files say what went wrong. A directory the run did not create
+    (``result["work_dir_created"]`` false or absent: a ``--work-dir`` that existed) keeps everything but the
+    run's own files (:func:`~pytest_rlhfmem.owned.remove_work`). Returns the directory kept (for the caller to
     print), or ``None`` when it was removed or there was none."""
     wd = result.get("work_dir")
     if not wd or not Path(wd).is_dir():
         return None
     if keep or result.get("status") != "ok":
         return Path(wd)
-    shutil.rmtree(wd, ignore_errors=True)
+    remove_work(wd, bool(result.get("work_dir_created")))
     return None
 
 
@@ -376,7 +378,9 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
     """Run ``cmd`` (a torchrun line or a user's command) in its own session, stdout and stderr to
     ``log_path``; at ``timeout`` seconds terminate the whole group (SIGTERM, then SIGKILL after 15 s).
     Afterwards kill any worker group still alive (each rank announces its pid in ``work``'s progress
-    files; torchrun starts each worker in a session of its own, found here as the command's descendants).
+    files; torchrun starts each worker in a session of its own, found here as the command's descendants):
+    a pid is signalled only when that process carries this call's token in its environment
+    (:func:`~pytest_rlhfmem.owned.is_run_process`), never on a file's word.
     Returns ``(returncode, timed_out)``; raises ``OSError`` when ``cmd`` cannot start, and
     :class:`RunInterrupted` (after stopping every process the same way, SIGKILL after
     :data:`INTERRUPT_GRACE_S`) when SIGINT, SIGTERM or SIGHUP reaches this process meanwhile.
@@ -384,11 +388,13 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
     (a long run says where it is: :func:`progress_line`)."""
     timed_out = False
     t0 = time.monotonic()
+    token, since = new_token(), None
     with open(log_path, "wb") as log, interruptible():
         proc = None
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                    cwd=cwd)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=run_env(env, token), cwd=cwd)
+            since = start_ticks(proc.pid)  # every process of the run started at or after its launcher
             step = progress_every_s if on_progress is not None else timeout
             while True:
                 left = timeout - (time.monotonic() - t0)
@@ -401,7 +407,7 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
                     on_progress(time.monotonic() - t0)
         except subprocess.TimeoutExpired:
             timed_out = True
-            _note_alive_at_timeout(work)
+            _note_alive_at_timeout(work, log_path.parent, token, since)
             _terminate(proc, 15.0)
         except RunInterrupted as exc:
             for s in INTERRUPT_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
@@ -409,29 +415,37 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
                     signal.signal(s, signal.SIG_IGN)
             if proc is not None:
                 _terminate(proc, INTERRUPT_GRACE_S)
-            _kill_leftover_workers(work)
+            _kill_leftover_workers(work, token, since)
             raise exc.note(work, rank_phases(work)) from None
-    _kill_leftover_workers(work)
+    _kill_leftover_workers(work, token, since)
     return proc.returncode, timed_out
 
 
 ALIVE_AT_TIMEOUT = "alive-at-timeout.json"  # in the work directory: the ranks whose process outlived the timeout
 
 
-def _note_alive_at_timeout(work: Path) -> None:
-    """At the timeout, before anything is killed: write the ranks whose process is still running (their
-    progress files' pids) to ``work/ALIVE_AT_TIMEOUT``, so a rank that wrote its result and then never exited
-    is named (:func:`aggregate`), not the launcher."""
-    alive = []
+def _progress_pids(work: Path, token: str, since: int | None) -> dict[int, int]:
+    """``{rank: pid}`` from ``work``'s progress files, only for a pid that is a live process of this run
+    (:func:`~pytest_rlhfmem.owned.is_run_process`: its environment carries ``token``, it started at or after
+    ``since``); a stale, planted or garbled file names nothing."""
+    pids = {}
     for p in work.glob("progress-rank*.json"):
         try:
             prog = json.loads(p.read_text())
-            stat = Path(f"/proc/{int(prog['pid'])}/stat").read_text()
-            if stat[stat.rindex(")") + 2] != "Z":
-                alive.append(int(prog["rank"]))
+            rank, pid = int(prog["rank"]), prog["pid"]
         except (ValueError, KeyError, TypeError, OSError):
-            pass
-    (work / ALIVE_AT_TIMEOUT).write_text(json.dumps(sorted(alive)))
+            continue
+        if is_run_process(pid, token, since):
+            pids[rank] = pid
+    return pids
+
+
+def _note_alive_at_timeout(work: Path, out: Path, token: str, since: int | None) -> None:
+    """At the timeout, before anything is killed: write the ranks whose process is still running
+    (:func:`_progress_pids`) to ``out/ALIVE_AT_TIMEOUT`` (``out``: the directory of the launcher's log, one per
+    node's agent), so a rank that wrote its result and then never exited is named (:func:`aggregate`), not the
+    launcher."""
+    (out / ALIVE_AT_TIMEOUT).write_text(json.dumps(sorted(_progress_pids(work, token, since))))
 
 
 def progress_line(work: Path, elapsed_s: float, label: str) -> str:
@@ -519,13 +533,13 @@ def _terminate(proc: subprocess.Popen, grace: float) -> None:
     proc.wait()
 
 
-def _kill_leftover_workers(work: Path) -> None:
-    """Every worker runs in its own session (torchrun's choice): kill any group still alive."""
-    for p in work.glob("progress-rank*.json"):
+def _kill_leftover_workers(work: Path, token: str, since: int | None) -> None:
+    """Every worker runs in its own session (torchrun's choice): kill the group of any rank of this run still
+    alive (:func:`_progress_pids`), or the rank alone where it does not lead its group."""
+    for pid in _progress_pids(work, token, since).values():
         try:
-            pid = json.loads(p.read_text())["pid"]
-            os.killpg(pid, signal.SIGKILL)
-        except (ValueError, KeyError, OSError):
+            os.killpg(pid, signal.SIGKILL) if os.getpgid(pid) == pid else os.kill(pid, signal.SIGKILL)
+        except OSError:
             pass
 
 
@@ -538,10 +552,12 @@ def _exit_hang_failure(ranks: list[dict], work: Path, timeout: float) -> dict:
     """Every rank wrote its result without an exception, yet the launcher was still running at the timeout:
     name the first rank whose process had not exited (``ALIVE_AT_TIMEOUT``), with its phase at exit and its
     peaks; else the launcher itself (rank ``None``, phase ``exit``). The figures are complete either way."""
-    try:
-        alive = json.loads((work / ALIVE_AT_TIMEOUT).read_text())
-    except (OSError, ValueError):
-        alive = []
+    alive = []
+    for p in [*work.glob(ALIVE_AT_TIMEOUT), *work.glob(f"node*/{ALIVE_AT_TIMEOUT}")]:  # one per node's agent
+        try:
+            alive += json.loads(p.read_text())
+        except (OSError, ValueError):
+            pass
     res = next((r for r in ranks if r["rank"] in alive), None)
     if res is None:
         return {"rank": None, "phase": "exit", "error": "LauncherHang",
@@ -841,16 +857,7 @@ def _run_agent(cmd: list[str], env: dict[str, str], timeout: float, work: Path, 
     every node's ranks, and a pid means nothing on another host."""
     agent_dir = work / f"node{nodes.node_rank}"
     agent_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(env, RLHFMEM_AGENT_TOKEN=secrets.token_hex(8))
-    returncode, timed_out = run_process_group(cmd, agent_dir / "launcher.log", env, timeout, agent_dir)
-    marker = f"RLHFMEM_AGENT_TOKEN={env['RLHFMEM_AGENT_TOKEN']}".encode()
-    for p in work.glob("progress-rank*.json"):
-        try:
-            pid = json.loads(p.read_text())["pid"]
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                os.killpg(pid, signal.SIGKILL)
-        except (ValueError, KeyError, OSError):
-            pass
+    returncode, timed_out = run_process_group(cmd, agent_dir / "launcher.log", env, timeout, work)
     report = {"node_rank": nodes.node_rank, "returncode": returncode, "timed_out": timed_out,
               "host": socket.gethostname(), "log": str(agent_dir / "launcher.log")}
     tmp = agent_dir / "agent.json.tmp"

@@ -6,6 +6,20 @@ import re
 from dataclasses import dataclass
 
 
+# The rehearsal device: the CUDA route's own code (the launcher's CUDA path, the rank's CUDA recorder, its memory
+# history and snapshot, the anchored replay) on the simulated CUDA device (simcuda/), with what needs real hardware
+# stood in for, each named in one place (fakecuda/rehearsal.py). Its figures are simulated, labelled so
+# (memory/events.py: CAPTURE_CUDA_REHEARSAL) and budgeted under REHEARSAL_PROFILE.
+REHEARSAL_DEVICE = "cuda-rehearsal"
+REHEARSAL_PROFILE = "cuda-rehearsal"
+
+
+def code_device(device: str) -> str:
+    """The device whose code a rank runs: ``cuda`` for the rehearsal device (its code is the CUDA route's),
+    else ``device`` itself."""
+    return "cuda" if device == REHEARSAL_DEVICE else device
+
+
 @dataclass(frozen=True)
 class CudaDevice:
     name: str

@@ -41,12 +41,14 @@ OPTIONS = (
     Option("--rlhfmem-baselines-dir", "rlhfmem_baselines_dir",
            "directory of budget files <profile>/<suite>.yaml (default: baselines/ beside the rootdir)"),
     Option("--rlhfmem-profile", "rlhfmem_profile", "hardware profile naming the budget directory (default: cpu "
-           "for simulated figures, else cuda-<gpu model>-x<count>)"),
+           "for simulated figures, cuda-rehearsal for the rehearsal device's, else cuda-<gpu model>-x<count>)"),
     Option("--rlhfmem-device", "rlhfmem_device", "where iterations run: auto = CUDA with one device per rank, "
            "CPU with the allocator model (simulated) when there is no CUDA device, and a run with fewer CUDA "
            "devices than ranks is refused; cuda without a CUDA device is a usage error; cuda-sim = a command's "
-           "CUDA code, unchanged, on the simulated CUDA device (rlhfmem_command only; simulated)", "choice", "auto",
-           ("auto", "cpu", "cuda", "cuda-sim")),
+           "CUDA code, unchanged, on the simulated CUDA device (rlhfmem_command only; simulated); cuda-rehearsal = "
+           "the GPU route's own code (its memory history and snapshot) on the simulated CUDA device, for commands "
+           "and the DeepSpeed-Chat recipe (simulated; budgets under baselines/cuda-rehearsal/)", "choice", "auto",
+           ("auto", "cpu", "cuda", "cuda-sim", "cuda-rehearsal")),
     Option("--rlhfmem-cuda-emulation", "rlhfmem_cuda_emulation", "CPU runs: emulate CUDA's own allocations "
            "(cuBLAS workspaces, host scalars, CPU kernel scratch) in the capture; results record it and budgets "
            "of another capture are refused as not comparable", "choice", "on", ("on", "off")),

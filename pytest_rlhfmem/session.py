@@ -28,7 +28,7 @@ import pytest
 
 from . import budgets as B
 from . import hardware
-from .hardware import CudaDevice, gpu_shortfall, profile_name
+from .hardware import REHEARSAL_DEVICE, REHEARSAL_PROFILE, CudaDevice, gpu_shortfall, profile_name
 from .marks import gpu_mark_args
 from .options import option_value
 from .report import write_session_outputs
@@ -103,6 +103,8 @@ class RlhfmemSession:
         p = option_value(self.config, "rlhfmem_profile")
         if p:
             return p
+        if result.data.get("device") == REHEARSAL_DEVICE:  # never a GPU's or the CPU route's budgets
+            return REHEARSAL_PROFILE
         return "cpu" if result.simulated else profile_name(self.devices)
 
     # -- gpu marker -------------------------------------------------------------------------------
@@ -142,7 +144,10 @@ class RlhfmemSession:
         if p:
             return [p]
         out = ["cpu"]
-        if option_value(self.config, "rlhfmem_device") != "cpu" and self.devices:
+        device = option_value(self.config, "rlhfmem_device")
+        if device == REHEARSAL_DEVICE:
+            out.append(REHEARSAL_PROFILE)
+        elif device != "cpu" and self.devices:
             out.append(profile_name(self.devices))
         return out
 

@@ -94,7 +94,7 @@ def between_allocations(events) -> list[tuple[int, list[int]]]:
 
 def test_sim_values_needs_the_simulated_device(tmp_path):
     with pytest.raises(CommandError, match="sim_values 'on' chooses whether the simulated CUDA device computes "
-                                           "values: it needs device cuda-sim, got cpu"):
+                                           "values: it needs device cuda-sim or cuda-rehearsal, got cpu"):
         run_command([str(COMMANDS / "plain_train.py")], "x", device="cpu", sim_values="on", work_dir=tmp_path)
     with pytest.raises(CommandError, match=r"simulated CUDA device values 'maybe' \(\$RLHFMEM_SIM_CUDA_VALUES\): "
                                            "allowed values are on, off"):

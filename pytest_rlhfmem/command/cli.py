@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..memory.events import capture_label
 from ..rlhf.cli_run import add_keep_work_argument, add_measurement_arguments, seconds
 from ..rlhf.launch import DEFAULT_TIMEOUT_S
 from ..rlhf.scenario import DEVICES
@@ -14,7 +15,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "capture", help="run a training command (script, python -m MODULE, torchrun line) with every rank "
         "recorded and print per-phase memory",
-        usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-sim] [--json OUT] "
+        usage="rlhfmem capture [--world-size N | --nproc-per-node N] [--device auto|cpu|cuda|cuda-rehearsal|cuda-sim] "
+              "[--json OUT] "
               "[--sdpa math|efficient] [--sim-values on|off] [--segment-placement SPEC] [--snapshot-dir DIR] "
               "[--timeout S] [--id ID] "
               "[--cuda-emulation on|off] [--time-rounds N] "
@@ -26,18 +28,22 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
                    help="auto = CUDA with one device per rank of this machine, CPU with the allocator model "
                         "(simulated) when there is no CUDA device; fewer CUDA devices than ranks, or cuda without "
                         "one, is refused before any rank starts; cuda-sim = a CUDA script, unchanged, on the "
-                        "simulated CUDA device (no GPU; simulated)")
+                        "simulated CUDA device (no GPU; simulated); cuda-rehearsal = the same device under the GPU "
+                        "route's own recorder (its memory history and snapshot; simulated, budgeted apart)")
     c.add_argument("--sdpa", default=None, choices=("math", "efficient"),
-                   help="with --device cuda-sim: the kernel scaled_dot_product_attention runs (a GPU picks by dtype, "
+                   help="with --device cuda-sim or cuda-rehearsal: the kernel scaled_dot_product_attention runs (a GPU "
+                        "picks by dtype, "
                         "head size, mask and architecture): math (the score matrix; default) or efficient "
                         "(memory-efficient attention: output and logsumexp only)")
     c.add_argument("--sim-values", default=None, choices=("on", "off"),
-                   help="with --device cuda-sim: whether the simulated device computes values (default on: each op "
+                   help="with --device cuda-sim or cuda-rehearsal: whether the simulated device computes values "
+                        "(default on: each op "
                         "also runs its CPU kernel on host memory, so generation loops, masks and .item() follow the "
                         "program; costs its device memory in host memory and its compute on the CPU); off: shapes "
                         "and sizes only, for value-independent programs at a scale the host cannot compute")
     c.add_argument("--segment-placement", default=None, metavar="SPEC",
-                   help="with --device cuda-sim: where the driver maps each cudaMalloc in the replays: above-last "
+                   help="with --device cuda-sim or cuda-rehearsal: where the driver maps each cudaMalloc in the "
+                        "replays: above-last "
                         "(default: each new segment above the previous one), first-fit, or first-fit:SIZE (the "
                         "lowest free range that fits, below which the CUDA context holds SIZE until the first "
                         "cuBLAS handle; 188MiB on the GPU of the wedson recordings: docs/allocator-model.md)")
@@ -61,7 +67,7 @@ def _capture(args: argparse.Namespace) -> int:
     from ..memory.trace_io import write_result_json
     from ..timing import run_rounds
     from ..rlhf.cli_run import finish_runs, phase_table
-    from .run import CommandError, default_id, plan_command, run_command
+    from .run import SIMULATED_DEVICES, CommandError, default_id, plan_command, run_command
     from ..memory.driver_va import ENV_SEGMENT_PLACEMENT, SegmentPlacement
     from ..simcuda.library import ENV_SDPA
 
@@ -72,17 +78,16 @@ def _capture(args: argparse.Namespace) -> int:
         raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.time_rounds < 1:
         raise CliError(f"--time-rounds must be a positive integer, got {args.time_rounds}")
-    if args.sdpa is not None and args.device != "cuda-sim":
-        raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim, "
-                       f"got --device {args.device}")
+    simulated_device = args.device in SIMULATED_DEVICES
+    needs = f"it needs --device {' or '.join(SIMULATED_DEVICES)}, got --device {args.device}"
+    if args.sdpa is not None and not simulated_device:
+        raise CliError(f"--sdpa chooses the simulated CUDA device's attention kernel: {needs}")
     env = {ENV_SDPA: args.sdpa} if args.sdpa else {}
-    if args.sim_values is not None and args.device != "cuda-sim":
-        raise CliError(f"--sim-values chooses whether the simulated CUDA device computes values: it needs --device "
-                       f"cuda-sim, got --device {args.device}")
-    if args.segment_placement is not None and args.device != "cuda-sim":
-        raise CliError("--segment-placement places the simulated CUDA device's segments: it needs --device "
-                       f"cuda-sim, got --device {args.device}")
-    if args.device == "cuda-sim":  # the flag, else $RLHFMEM_SEGMENT_PLACEMENT: checked here, not in every rank
+    if args.sim_values is not None and not simulated_device:
+        raise CliError(f"--sim-values chooses whether the simulated CUDA device computes values: {needs}")
+    if args.segment_placement is not None and not simulated_device:
+        raise CliError(f"--segment-placement places the simulated CUDA device's segments: {needs}")
+    if simulated_device:  # the flag, else $RLHFMEM_SEGMENT_PLACEMENT: checked here, not in every rank
         try:
             placement = (SegmentPlacement.from_env() if args.segment_placement is None
                          else SegmentPlacement.parse(args.segment_placement, "--segment-placement"))
@@ -103,11 +108,7 @@ def _capture(args: argparse.Namespace) -> int:
         result, rounds = run_rounds(once, args.time_rounds, args.snapshot_dir)
     except CommandError as exc:
         raise CliError(str(exc)) from None
-    simulated = result["simulated"] or result["device"] in ("cpu", "cuda-sim")  # a failed run's too
-    label = ("measured: CUDA caching allocator" if not simulated else
-             "simulated: the script's CUDA allocations on the simulated CUDA device, replayed through the CUDA "
-             "caching allocator model" if result["device"] == "cuda-sim" else
-             "simulated: CPU allocation trace replayed through the CUDA caching allocator model")
+    label = capture_label(result.get("capture"), result["device"])  # a failed run's by its device
     placement = (result.get("capture_description") or {}).get("segment_placement")
     if placement:  # not the default: the figures depend on it (docs/allocator-model.md)
         label += f"; segments placed {placement}"

@@ -10,6 +10,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..hardware import REHEARSAL_DEVICE, code_device
 from ..record.rank import ROOT_PHASE, RankCapture
 
 
@@ -26,7 +27,7 @@ class CommandIdentity:
 
 
 ENV_DIR = "RLHFMEM_CAPTURE_DIR"  # work directory of the capture; its presence turns the bootstrap on
-ENV_DEVICE = "RLHFMEM_CAPTURE_DEVICE"  # cpu | cuda | cuda-sim
+ENV_DEVICE = "RLHFMEM_CAPTURE_DEVICE"  # cpu | cuda | cuda-sim | cuda-rehearsal
 ENV_ID = "RLHFMEM_CAPTURE_ID"
 ENV_COMMAND = "RLHFMEM_CAPTURE_COMMAND"  # JSON list
 ENV_WORLD_SIZE = "RLHFMEM_CAPTURE_WORLD_SIZE"
@@ -57,7 +58,17 @@ def start_command_capture() -> None:
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
     device = env.get(ENV_DEVICE, "cpu")
-    if device == "cuda":
+    description, extra = {}, None
+    if device in ("cuda-sim", REHEARSAL_DEVICE):  # the simulated device: torch.cuda answered first
+        from ..simcuda.torch_cuda import SCALAR_SITES, install
+
+        description["torch_cuda_answered"] = install()
+        from ..simcuda.distributed import collective_counts, install as install_distributed
+
+        description["torch_distributed_answered"] = install_distributed()  # nccl, and gloo on device tensors
+        extra = lambda: {"scalar_answers": SCALAR_SITES.sites,  # noqa: E731 - file:line names: not compared
+                         **({"collectives": collective_counts()} if collective_counts() else {})}
+    if code_device(device) == "cuda":  # the CUDA route (on a GPU, or rehearsed on the simulated device)
         import torch
 
         # CUDA state first (torch.cuda.init), on this rank's device: the caching allocator must exist
@@ -70,12 +81,6 @@ def start_command_capture() -> None:
                                f"({torch.cuda.device_count()} visible): run at most that many ranks per machine")
         torch.cuda.set_device(local_rank)
         torch.cuda.init()
-    description, extra = {}, None
-    if device == "cuda-sim":  # the user's CUDA script on the simulated device: torch.cuda answered first
-        from ..simcuda.torch_cuda import SCALAR_SITES, install
-
-        description["torch_cuda_answered"] = install(lambda: _command_capture.rec)
-        extra = lambda: {"scalar_answers": SCALAR_SITES.sites}  # noqa: E731 - file:line names: not compared
     world_size = int(env.get("WORLD_SIZE", env.get(ENV_WORLD_SIZE, "1")))
     ident = CommandIdentity(env.get(ENV_ID, "command"), tuple(json.loads(env.get(ENV_COMMAND, "[]"))), world_size)
     cap = RankCapture(ident, device, Path(out), rank, world_size, root=ROOT_PHASE,

@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..hardware import REHEARSAL_DEVICE, code_device
 from ..owned import WorkDirError, claim_work_dir, remove_work
 from ..record.recorder import history_settings
 from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, progress_line,
                            resolve_device, run_process_group)
 from ..rlhf.scenario import ScenarioError
+from ..simcuda.distributed import ENV_LIBRARY as ENV_SIM_DIST_LIBRARY
 from ..simcuda.library import ENV_VALUES, values_mode
 from . import rank as R
 
@@ -160,6 +162,9 @@ def _shown_path(path: str) -> str:
 
 
 SIM_DEVICE = "cuda-sim"  # a CUDA script, unchanged, on the simulated CUDA device (simcuda/library.py)
+# the devices whose ranks load the simulated CUDA device before torch: cuda-sim (its log recorded) and the rehearsal
+# device (the CUDA route's recorder over it: hardware.py)
+SIMULATED_DEVICES = (SIM_DEVICE, REHEARSAL_DEVICE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,7 +176,19 @@ def sim_cuda_library() -> str:
     try:
         return str(library_path(SIM_SOURCE))
     except FakeCudaUnavailable as exc:
-        raise CommandError(f"--device cuda-sim: {exc}") from None
+        raise CommandError(f"the simulated CUDA device (cuda-sim, cuda-rehearsal): {exc}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def sim_dist_library() -> str:
+    """Build the simulated CUDA device's process group once (``simcuda/build.py: dist_library_path``, a Python
+    extension of torch: imports torch here) and return its path. Raises :class:`CommandError` (one line)."""
+    from ..simcuda.build import FakeCudaUnavailable, dist_library_path
+
+    try:
+        return str(dist_library_path())
+    except FakeCudaUnavailable as exc:
+        raise CommandError(f"the simulated CUDA device's process group: {exc}") from None
 
 
 @functools.lru_cache(maxsize=1)
@@ -210,12 +227,12 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if not id or not isinstance(id, str):
         raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
     argv, n, is_torchrun = plan_command(command, world_size, nproc_per_node)
-    if device != SIM_DEVICE:  # one CUDA device per rank of this machine: refused here, before any rank starts
+    if device not in SIMULATED_DEVICES:  # one CUDA device per rank of this machine: refused before any rank starts
         try:
             device = resolve_device(device, (_torchrun_nproc(argv, per_node=True) or n) if is_torchrun else n)
         except ScenarioError as exc:
             raise CommandError(str(exc)) from None
-    if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
+    if code_device(device) == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
         try:
             history_settings()
         except ValueError as exc:
@@ -223,7 +240,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if cuda_emulation not in ("on", "off"):
         raise CommandError(f"cuda_emulation {cuda_emulation!r}: allowed values are on, off")
     extra = {**(env or {}), R.ENV_CUDA_EMULATION: cuda_emulation}
-    if device == SIM_DEVICE:
+    if device in SIMULATED_DEVICES:
         values = sim_values or extra.get(ENV_VALUES) or os.environ.get(ENV_VALUES) or "on"
         try:
             extra[ENV_VALUES] = values_mode(values)
@@ -231,7 +248,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
             raise CommandError(str(exc)) from None
     elif sim_values is not None:
         raise CommandError(f"sim_values {sim_values!r} chooses whether the simulated CUDA device computes values: "
-                           f"it needs device cuda-sim, got {device}")
+                           f"it needs device {' or '.join(SIMULATED_DEVICES)}, got {device}")
     try:  # a work directory the caller made is never removed, and must hold nothing (owned.py)
         work, created = claim_work_dir(work_dir, "rlhfmem-capture-")
     except WorkDirError as exc:
@@ -249,7 +266,7 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
             on_progress: Callable[[str], None] | None = None) -> dict:
     t0 = time.perf_counter()
     # the user's environment as it is (hubs online, their thread settings); on CPU CUDA hidden
-    run_env = command_env("cpu" if device == SIM_DEVICE else device)
+    run_env = command_env("cpu" if device in SIMULATED_DEVICES else device)
     run_env.update(env or {})
     if is_torchrun:  # torchrun sets these per worker; inherited ones would make its agent look like a rank
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
@@ -266,8 +283,10 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
         run_env[R.ENV_SNAPSHOT_DIR] = str(Path(snapshot_dir).resolve())
     if library:
         run_env["RLHFMEM_RECORDER_LIBRARY"] = library
-    if device == SIM_DEVICE:
+    if device in SIMULATED_DEVICES:
         run_env["RLHFMEM_SIM_CUDA_LIBRARY"] = sim_cuda_library()
+        if is_torchrun:  # its process groups: built once here, not in every rank (a single process builds its own)
+            run_env[ENV_SIM_DIST_LIBRARY] = sim_dist_library()
     log_path = work / "command.log"
     try:
         tick = None if on_progress is None else (lambda s: on_progress(progress_line(work, s, f"capture {id}")))

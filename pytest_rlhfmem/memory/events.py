@@ -57,7 +57,31 @@ CAPTURE_CPU_SIMULATED = "cpu-trace-simulated"
 CAPTURE_FAKE_CUDA_SIMULATED = "fake-cuda-simulated"  # fake CUDA tensors recorded at the dispatcher (fakecuda/)
 # a user's CUDA script on the simulated CUDA device (simcuda/csrc/sim_cuda.cpp, simcuda/library.py)
 CAPTURE_SIM_CUDA_SIMULATED = "sim-cuda-simulated"
-SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED)
+# the CUDA route's own code (its memory history, snapshot and anchored replay) run on the simulated CUDA device: the
+# rehearsal device cuda-rehearsal, whose snapshots name the device (allocator_settings["rlhfmem_capture"])
+CAPTURE_CUDA_REHEARSAL = "cuda-rehearsal-simulated"
+SIMULATED_CAPTURES = (CAPTURE_CPU_SIMULATED, CAPTURE_FAKE_CUDA_SIMULATED, CAPTURE_SIM_CUDA_SIMULATED,
+                      CAPTURE_CUDA_REHEARSAL)
+CUDA_HISTORY_CAPTURES = (CAPTURE_CUDA, CAPTURE_CUDA_REHEARSAL)  # a CUDA memory history's trace: replayed anchored
+# How each capture's figures are labelled wherever they are printed (rlhfmem run / capture): measured or simulated
+CAPTURE_LABELS = {
+    CAPTURE_CUDA: "measured: CUDA caching allocator",
+    CAPTURE_CPU_SIMULATED: "simulated: CPU allocation trace replayed through the CUDA caching allocator model",
+    CAPTURE_SIM_CUDA_SIMULATED: "simulated: the program's CUDA allocations on the simulated CUDA device, replayed "
+                                "through the CUDA caching allocator model",
+    CAPTURE_FAKE_CUDA_SIMULATED: "simulated: fake CUDA tensors' allocations replayed through the CUDA caching "
+                                 "allocator model",
+    CAPTURE_CUDA_REHEARSAL: "simulated: the CUDA route rehearsed on the simulated CUDA device (its memory history, "
+                            "replayed anchored through the CUDA caching allocator model)",
+}
+DEVICE_CAPTURES = {"cpu": CAPTURE_CPU_SIMULATED, "cuda": CAPTURE_CUDA, "cuda-sim": CAPTURE_SIM_CUDA_SIMULATED,
+                   "cuda-rehearsal": CAPTURE_CUDA_REHEARSAL}  # what a run on each device captures
+
+
+def capture_label(capture: str | None, device: str | None = None) -> str:
+    """The words that say how a result's figures were obtained (:data:`CAPTURE_LABELS`): by its ``capture``, or
+    for a run that failed before it captured, by its ``device``."""
+    return CAPTURE_LABELS.get(capture or DEVICE_CAPTURES.get(device or "", ""), f"capture {capture!r}")
 CAPTURE_SYNTHETIC = "synthetic"
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..hardware import REHEARSAL_DEVICE, code_device
 from .host import current_rss
 
 # An allocation failure's message: CUDA's (torch.OutOfMemoryError), PyTorch's CPU allocator's
@@ -53,10 +54,11 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
     """Replay (CPU and simulated devices: free-running through the model against ``capacity`` bytes, ``None``
     unlimited: a colocated engine's scenario gives its card, ``rlhf/common.py: engine_card_bytes``; CUDA: anchored
     to the real trace, real peaks from memory_stats) and assemble this rank's result."""
+    from ..memory.events import CUDA_HISTORY_CAPTURES
     from ..memory.replay import ANCHORED, FREE_RUNNING, replay
-    from ..memory.trace import CAPTURE_CUDA, SIMULATED_CAPTURES
+    from ..memory.trace import SIMULATED_CAPTURES
 
-    is_cuda = trace.capture == CAPTURE_CUDA
+    is_cuda = trace.capture in CUDA_HISTORY_CAPTURES  # the CUDA route's trace (measured, or rehearsed)
     result = replay(trace, mode=ANCHORED if is_cuda else FREE_RUNNING, capacity=None if is_cuda else capacity)
     wall = {p.name: round(p.wall_s, 6) for p in rec.phases}
     phases = []
@@ -116,8 +118,10 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
 @dataclass
 class RankCapture:
     """Capture one rank. ``identity``: a ``Scenario`` or :class:`CommandIdentity` (``.id``, ``.to_dict()``);
-    ``device``: ``cpu`` (simulated) or ``cuda`` (measured); ``capture=False`` times phases, records
-    nothing; ``root``: the window name for allocations outside every phase (``None`` for the recipes)."""
+    ``device``: ``cpu`` (simulated), ``cuda`` (measured), ``cuda-sim`` (the simulated device's log, simulated) or
+    ``cuda-rehearsal`` (the CUDA route's code on the simulated device: ``hardware.py: code_device``; simulated);
+    ``capture=False`` times phases, records nothing; ``root``: the window name for allocations outside every phase
+    (``None`` for the recipes)."""
 
     identity: Any
     device: str
@@ -157,7 +161,7 @@ class RankCapture:
           ``device_rows``, the recorder rows they cover. An error there leaves the figures out (the progress
           file is written regardless), naming it in ``device_figures_error``."""
         prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
-        if self.device == "cuda":
+        if code_device(self.device) == "cuda":
             try:
                 import torch
 
@@ -190,9 +194,10 @@ class RankCapture:
             from ..simcuda.library import SimCudaRows
 
             row_source = SimCudaRows(parse_switch("on").workspace_bytes)
-        self.rec = Recorder(self.device if self.capture else "off", on_phase=self.progress, root=self.root,
+        device = code_device(self.device)  # the rehearsal runs the CUDA route's code
+        self.rec = Recorder(device if self.capture else "off", on_phase=self.progress, root=self.root,
                             cuda_emulation=parse_switch(self.cuda_emulation), row_source=row_source)
-        self.rec.host = HostMemory(self.device, root=self.root)  # measured host figures per window (record/host.py)
+        self.rec.host = HostMemory(device, root=self.root)  # measured host figures per window (record/host.py)
         self._t0 = time.perf_counter()
         self.rec.host.start()
         self.rec.start()
@@ -338,10 +343,12 @@ def finish_failure_result(identity, rank: int, world_size: int, device: str, rec
     counters. Total: on CUDA, a :class:`~.recorder.HistoryWrapped`'s ``memory_stats()`` peaks (bytes,
     since the process began or the program's last ``reset_peak_memory_stats()``), else ``None``. ``events``:
     the trace's allocations and frees when it was read, else the history entries the exception counted."""
+    from ..memory.events import CAPTURE_CUDA_REHEARSAL
     from ..memory.trace import CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, SIMULATED_CAPTURES
 
-    capture = trace.capture if trace is not None else {"cuda": CAPTURE_CUDA, "cuda-sim": CAPTURE_SIM_CUDA_SIMULATED,
-                                                       "off": "none"}.get(rec.device, CAPTURE_CPU_SIMULATED)
+    captures = {"cuda": CAPTURE_CUDA, "cuda-sim": CAPTURE_SIM_CUDA_SIMULATED, REHEARSAL_DEVICE: CAPTURE_CUDA_REHEARSAL}
+    capture = (trace.capture if trace is not None else "none" if rec.device == "off"
+               else captures.get(device, CAPTURE_CPU_SIMULATED))
     stats = getattr(exc, "stats", {}) or {}
     phases: dict[str, dict] = {}
     for p in rec.phases:
@@ -391,12 +398,14 @@ def finish_failure_result(identity, rank: int, world_size: int, device: str, rec
 
 
 def _write_snapshot(trace, snapshot_dir: str, ident: str, rank: int) -> Path:  # noqa: ANN001
+    from ..memory.events import CUDA_HISTORY_CAPTURES
     from ..memory.replay import ANCHORED, FREE_RUNNING, replay
     from ..memory.trace import CAPTURE_CUDA, Trace, write_snapshot
 
     name = ident.replace("/", "__").replace(" ", "_") + f"__rank{rank}.pickle"
-    if trace.capture == CAPTURE_CUDA:  # the real allocator's own snapshot
-        note = "measured: CUDA memory history"
+    if trace.capture in CUDA_HISTORY_CAPTURES:  # the allocator's own snapshot: a GPU's, or the rehearsal device's
+        note = ("measured: CUDA memory history" if trace.capture == CAPTURE_CUDA else
+                "simulated: the CUDA route's memory history on rlhfmem's simulated CUDA device (cuda-rehearsal)")
         out_trace, segments = trace, replay(trace, mode=ANCHORED, record_series=False).segments
     else:  # the replayed trace: addresses and segment events are the model's
         note = "simulated: CPU allocation trace replayed through the CUDA caching allocator model"

@@ -39,10 +39,11 @@ from collections.abc import Callable, Iterable, Iterator
 from . import emulation
 from ..memory.allocator import SEGMENT_PLACEMENT_KEY, AllocatorConfig
 from ..memory.driver_va import ABOVE_LAST
-from ..memory.events import CUBLAS_WORKSPACE, EXTERNAL_MAP, EXTERNAL_UNMAP
+from ..memory.events import CAPTURE_CUDA_REHEARSAL, CUBLAS_WORKSPACE, EXTERNAL_MAP, EXTERNAL_UNMAP
 from .host import HostMemory
 from ..memory.trace import (
     ALLOC, CAPTURE_CPU_SIMULATED, CAPTURE_CUDA, CAPTURE_SIM_CUDA_SIMULATED, FLUSH, FREE, FREE_REQUESTED, PHASE,
+    SIMULATED_CAPTURES,
     PHASE_END, POOL_ENTER, POOL_EXIT, Event, Trace, trace_from_snapshot,
 )
 
@@ -700,6 +701,10 @@ def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device:
     entry stamped earlier and before every entry stamped at its microsecond or later. Pure data handling:
     tested on recorded and synthetic snapshots, no GPU needed. Raises ``SnapshotError`` as
     :func:`~.trace.trace_from_snapshot`.
+
+    The capture is ``cuda-memory-history`` (measured), or ``cuda-rehearsal-simulated`` where the snapshot names a
+    simulated device as its maker (``allocator_settings["rlhfmem_capture"]``: the rehearsal device's,
+    ``simcuda/history.py``): the device decides the label, the code is the same.
     """
     times, clock = mark_times(snap, marks)
     trace = trace_from_snapshot(snap, device=device, source=f"torch.cuda.memory._snapshot (phase marks: {clock})")
@@ -713,7 +718,8 @@ def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device:
         merged.append(e)
     merged.extend(Event(k, 0, 0, 0, t, n) for k, t, n in ms[j:])
     trace.events = merged
-    trace.capture = CAPTURE_CUDA
+    maker = (snap.get("allocator_settings") or {}).get("rlhfmem_capture")
+    trace.capture = CAPTURE_CUDA_REHEARSAL if maker in SIMULATED_CAPTURES else CAPTURE_CUDA
     return trace
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from ..memory.events import capture_label
 from ..record.host import format_rss
 from ..units import format_size
 from .scenario import ALGORITHMS, DEVICES, FLUSH_POLICIES, FRAMEWORKS
@@ -189,8 +190,7 @@ def _run(args: argparse.Namespace) -> int:
             print("FAILED: " + result["failure"]["message"] + ("\nlauncher log (tail):\n" + result["log_tail"][-1500:]
                                                                if result["log_tail"] else ""))
         return 0 if result["status"] == "ok" else 1
-    label = ("simulated: CPU allocation trace replayed through the CUDA caching allocator model"
-             if result["simulated"] else "measured: CUDA caching allocator")
+    label = capture_label(result.get("capture"), result["device"])  # a failed run's by its device
     where = f" ({nodes.nnodes} nodes x {scenario.world_size // nodes.nnodes})" if nodes.multi_node else ""
     print(f"{scenario.id} on {result['device']} x{scenario.world_size}{where} ({label})")
     host = result.get("host") or {}

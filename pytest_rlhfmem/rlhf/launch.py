@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..cbuild import cache_dir
 from ..units import format_size
-from ..hardware import cuda_device_count
+from ..hardware import REHEARSAL_DEVICE, code_device, cuda_device_count
 from ..hostcpu import fp16_answer
 from ..owned import WorkDirError, claim_work_dir, is_run_process, new_token, remove_work, run_env, start_ticks
 from ..record.recorder import history_settings
@@ -38,6 +38,10 @@ from ..budgets import ENGINE_SIZE_NAMES
 from .scenario import DEVICES, Scenario, ScenarioError
 
 DEFAULT_TIMEOUT_S = 900.0
+# The rehearsal's rank (started by name, as torchrun starts worker.py): the simulated device loaded before torch,
+# the stand-ins for what needs real hardware, then worker.py unchanged on the CUDA route's code
+REHEARSAL_WORKER = "pytest_rlhfmem.fakecuda.rehearsal"
+SIM_LIBRARY_ENV = "RLHFMEM_SIM_CUDA_LIBRARY"  # simcuda/library.py: ENV_LIBRARY
 
 
 def resolve_device(device: str, ranks: int, device_count: int | None = None) -> str:
@@ -50,10 +54,11 @@ def resolve_device(device: str, ranks: int, device_count: int | None = None) -> 
     device, the ranks, the devices found and what to do, before any rank starts: for an unknown device; for
     ``cuda`` without a CUDA device; for ``cuda`` or ``auto`` with CUDA devices but fewer than ``ranks`` (a rank
     would ask for a device that is not there; ``auto`` would run the CPU route, against ``baselines/cpu``, on a
-    machine whose GPUs were meant to run it)."""
+    machine whose GPUs were meant to run it). The rehearsal device needs no GPU: each rank gets a simulated
+    device of its own (the one hardware check it stands in for: ``fakecuda/rehearsal.py``)."""
     if device not in DEVICES:
         raise ScenarioError(f"unknown device {device!r}; valid: {', '.join(DEVICES)}")
-    if device == "cpu":
+    if device in ("cpu", REHEARSAL_DEVICE):
         return device
     found = cuda_device_count() if device_count is None else device_count
     if device == "cuda" and found == 0:
@@ -108,6 +113,8 @@ def jit_ops(scenario: Scenario, device: str) -> list[str]:
         return []
     from .deepspeed_chat.configs import STRATEGY_SETTINGS, ppo_setting
 
+    if device == REHEARSAL_DEVICE:  # nvcc's builds need a GPU toolchain: the fake-CUDA route's optimizers stand in
+        return []
     offload = STRATEGY_SETTINGS[scenario.strategy][1]
     ops = ["ShareMemCommBuilder"] if device == "cpu" else []
     ops += ["CPUAdamBuilder"] if offload else ["FusedAdamBuilder"] if device == "cuda" else []
@@ -197,7 +204,21 @@ def command_env(device: str) -> dict:
     if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif device == REHEARSAL_DEVICE:  # DeepSpeed's CUDA accelerator on the simulated device; a real GPU stays out
+        env["DS_ACCELERATOR"] = "cuda"
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
+
+
+def _sim_cuda_library() -> str:
+    """The simulated CUDA device's library, built once (``cbuild.py``: cached under its lock). Raises
+    :class:`ScenarioError` (one line) when it cannot be built here."""
+    from ..simcuda.build import SIM_SOURCE, FakeCudaUnavailable, library_path
+
+    try:
+        return str(library_path(SIM_SOURCE))
+    except FakeCudaUnavailable as exc:
+        raise ScenarioError(f"device {REHEARSAL_DEVICE}: the simulated CUDA device: {exc}") from None
 
 
 def _worker_env(device: str, threads: int) -> dict:
@@ -231,15 +252,18 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     except ValueError as exc:
         raise ScenarioError(str(exc)) from None
     device = resolve_device(device, (nodes or Nodes()).local_world_size(scenario.world_size))  # GPUs of this node
-    if scenario.get("rollout_engine") and device == "cuda":
+    if scenario.get("rollout_engine") and code_device(device) == "cuda":
         raise ScenarioError("override rollout_engine=True: the colocated engine is a stand-in run on the CPU "
                             "route or the fake-CUDA route's simulated device; on a GPU the real engine's own mappings "
                             "are not recorded yet")
-    if device == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank's log
+    if code_device(device) == "cuda":  # a bad $RLHFMEM_HISTORY_* is one line here, not a traceback in every rank
         try:
             history_settings()
         except ValueError as exc:
             raise ScenarioError(str(exc)) from None
+    if device == REHEARSAL_DEVICE and scenario.framework != "deepspeed-chat":
+        raise ScenarioError(f"device {REHEARSAL_DEVICE} runs deepspeed-chat only (the fake-CUDA route's DeepSpeed "
+                            f"stand-ins replace what needs a GPU); {scenario.framework} runs on cpu or cuda")
     if scenario.framework == "colossalchat" and device == "cpu" and scenario.strategy not in CPU_STRATEGIES:
         raise ScenarioError(f"colossalchat strategy {scenario.strategy!r} needs CUDA (ColossalAI's LowLevelZero "
                             f"and Gemini plugins assert a CUDA/NPU accelerator); on CPU: {', '.join(CPU_STRATEGIES)}")
@@ -271,7 +295,8 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     timeout_left = max(1.0, timeout - (time.perf_counter() - t0))
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(scenario.world_size),
            "--max-restarts=0", "--monitor-interval=0.5", f"--log-dir={work / TORCHRUN_LOG_DIR}",
-           "-m", "pytest_rlhfmem.rlhf.worker", "--scenario", json.dumps(scenario.to_dict()),
+           "-m", REHEARSAL_WORKER if device == REHEARSAL_DEVICE else "pytest_rlhfmem.rlhf.worker",
+           "--scenario", json.dumps(scenario.to_dict()),
            "--out-dir", str(work), "--device", device]
     if snapshot_dir:
         cmd += ["--snapshot-dir", str(snapshot_dir)]
@@ -280,6 +305,8 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     cmd += ["--cuda-emulation", cuda_emulation]
     log_path = work / "launcher.log"
     env = _worker_env(device, scenario.get("threads", 1))
+    if device == REHEARSAL_DEVICE:  # built once here, not by every rank
+        env[SIM_LIBRARY_ENV] = _sim_cuda_library()
     if not nodes.multi_node:
         returncode, timed_out = run_process_group(cmd, log_path, env, timeout_left, work)
         return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,

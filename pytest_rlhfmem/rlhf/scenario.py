@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..hardware import REHEARSAL_DEVICE
+
 FRAMEWORKS = ("deepspeed-chat", "colossalchat")
 STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all",
               "zero2-offload", "lora", "hydra", "zero3-nvme")
 COLOSSAL_STRATEGIES = ("none", "zero2", "zero2-offload", "zero3", "zero3-offload", "grad-ckpt", "all")
 FRAMEWORK_STRATEGIES = {"deepspeed-chat": STRATEGIES, "colossalchat": COLOSSAL_STRATEGIES}
 FLUSH_POLICIES = ("none", "after-inference", "after-training", "after-both")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", REHEARSAL_DEVICE)  # cuda-rehearsal: hardware.py
 INFERENCE_PHASES = ("generate", "infer_actor", "infer_reference", "infer_reward", "infer_critic")
 TRAINING_PHASES = ("train_actor", "train_critic")
 PHASES = ("init",) + INFERENCE_PHASES + TRAINING_PHASES  # PPO's

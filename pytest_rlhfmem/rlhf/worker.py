@@ -17,14 +17,20 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from ..hardware import REHEARSAL_DEVICE, code_device
 
-def main(argv: list[str] | None = None) -> int:
+
+def main(argv: list[str] | None = None, extra: Callable[[], dict] | None = None) -> int:
+    """One rank (see the module docstring). ``extra``: records merged into the rank's result at its end (the
+    rehearsal's stand-ins: ``fakecuda/rehearsal.py``, which calls this with ``--device cuda-rehearsal``: the CUDA
+    route's code, labelled simulated)."""
     ap = argparse.ArgumentParser(prog="pytest_rlhfmem.rlhf.worker")
     ap.add_argument("--scenario", required=True, help="scenario JSON")
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    ap.add_argument("--device", choices=("cpu", "cuda", REHEARSAL_DEVICE), required=True)
     ap.add_argument("--snapshot-dir", default=None)
     ap.add_argument("--no-capture", action="store_true", help="bare iteration: time it, record nothing")
     ap.add_argument("--cuda-emulation", choices=("on", "off"), default="on", help="CPU capture: emulate CUDA")
@@ -55,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     # handle, so rlhfmem.phase(...) inside a recipe or a library lands in the same trace as rec.phase.
     cap = RankCapture(scenario, args.device, Path(args.out_dir), rank, world_size, capture=not args.no_capture,
                       snapshot_dir=args.snapshot_dir, threads=threads, cuda_emulation=args.cuda_emulation,
-                      description=description, capacity=engine_card_bytes(scenario))
+                      description=description, capacity=engine_card_bytes(scenario), extra=extra)
     cap.progress("startup")
-    if args.device == "cuda":
+    device = code_device(args.device)  # the rehearsal runs the CUDA route's code
+    if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    backend = "nccl" if device == "cuda" else "gloo"
     if scenario.framework == "deepspeed-chat":
         import deepspeed
 
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     info = None
     rec = cap.start()
     try:
-        info = run_iteration(scenario, rec, args.device, rank, world_size)
+        info = run_iteration(scenario, rec, device, rank, world_size)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
         error = cap.error_from(exc)
     cap.finish(info, error)

@@ -39,6 +39,7 @@ SCALAR_KINDS = ("bool", "int", "float", "other")
 ENV_RECORD_STREAM = "RLHFMEM_SIM_CUDA_RECORD_STREAM"
 RECORD_STREAM_MODES = ("immediate", "until-sync")
 LOG_RECORD_STREAM, LOG_SYNC = 3, 4  # the log's actions besides 1 alloc and 2 free (sim_cuda.cpp)
+LOG_EMPTY_CACHE = 6  # torch.cuda.empty_cache() on the device (torch_cuda.py), which releases its cache (history.py)
 FREE_REQUESTED_ACTION = 5  # delay_record_stream_frees' own: the program's free of a held block (not in the log)
 ALL_STREAMS = -1
 
@@ -75,7 +76,36 @@ def library() -> ctypes.CDLL:
     lib.rlhfmem_sim_cuda_values.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_values_skipped.restype = ctypes.c_int64
     lib.rlhfmem_sim_cuda_values_skipped.argtypes = [ctypes.c_char_p, ctypes.c_int64]
+    lib.rlhfmem_sim_cuda_epoch_offset_us.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_stamp_us.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_set_annotations.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_set_annotations.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.rlhfmem_sim_cuda_annotation_count.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_annotation.restype = ctypes.c_int64
+    lib.rlhfmem_sim_cuda_annotation.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
     return lib
+
+
+def read_log(lib: ctypes.CDLL, first: int = 0) -> list[tuple[int, int, int, int, int]]:
+    """The device's log from its ``first``-th event (counted from the library's load) to now: ``(action, addr, size,
+    stream, time_us)``, action 1 alloc, 2 free, 3 ``record_stream`` and 4 a host wait (logged under ``until-sync``),
+    :data:`LOG_EMPTY_CACHE`; ``time_us`` on the device's clock (steady microseconds, one per stamp at least)."""
+    import numpy as np
+
+    n = max(lib.rlhfmem_sim_cuda_event_count() - first, 0)
+    if not n:
+        return []
+    cols = [np.zeros(n, dtype=np.int64 if i != 1 else np.uint64) for i in range(5)]
+    got = lib.rlhfmem_sim_cuda_events(first, n, *[c.ctypes.data_as(ctypes.c_void_p) for c in cols])
+    return list(zip(*(c[:got].tolist() for c in cols)))
+
+
+def workspace_addresses(lib: ctypes.CDLL) -> frozenset[int]:
+    """The device addresses of the cuBLAS workspaces made so far (each allocated once, never freed)."""
+    n = lib.rlhfmem_sim_cuda_workspaces()
+    out = (ctypes.c_uint64 * max(n, 1))()
+    got = lib.rlhfmem_sim_cuda_workspace_addresses(ctypes.cast(out, ctypes.c_void_p), n)
+    return frozenset(out[:got])
 
 
 def sdpa_backend(name: str | None = None) -> str:
@@ -268,14 +298,9 @@ class SimCudaRows:
 
     def events(self, since: int = 0) -> list[tuple[int, int, int, int, int]]:
         """The log from its ``since``-th event after :meth:`start`: ``(action, addr, size, stream, time_us)``,
-        action 1 alloc, 2 free (3, 4: ``record_stream`` and host waits, logged under ``until-sync``)."""
-        import numpy as np
-
-        first = self._start + since
-        n = max(self.lib.rlhfmem_sim_cuda_event_count() - first, 0)
-        cols = [np.zeros(max(n, 1), dtype=np.int64 if i != 1 else np.uint64) for i in range(5)]
-        got = self.lib.rlhfmem_sim_cuda_events(first, n, *[c.ctypes.data_as(ctypes.c_void_p) for c in cols])
-        return list(zip(*(c[:got].tolist() for c in cols)))
+        action 1 alloc, 2 free (3, 4: ``record_stream`` and host waits, logged under ``until-sync``; 6
+        ``empty_cache``, which the recorder's FLUSH marks stand for in its trace)."""
+        return read_log(self.lib, self._start + since)
 
     def marks(self, since: int = 0) -> list[tuple[int, int]]:
         """The marks from the ``since``-th on: ``(events of the log before it, counted from :meth:`start`; the
@@ -285,10 +310,7 @@ class SimCudaRows:
     def workspace_addresses(self) -> frozenset[int]:
         """The device addresses of the cuBLAS workspaces made so far (each allocated once, never freed): the
         trace names their ALLOCs :data:`~.events.CUBLAS_WORKSPACE`."""
-        n = self.lib.rlhfmem_sim_cuda_workspaces()
-        out = (ctypes.c_uint64 * max(n, 1))()
-        got = self.lib.rlhfmem_sim_cuda_workspace_addresses(ctypes.cast(out, ctypes.c_void_p), n)
-        return frozenset(out[:got])
+        return workspace_addresses(self.lib)
 
     def flush_sync(self) -> None:
         """The flush policy's ``empty_cache()`` waits for every stream first (``release_cached_blocks`` begins with

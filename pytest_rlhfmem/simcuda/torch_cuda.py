@@ -1,146 +1,40 @@
-"""``torch.cuda`` for a user's script on the simulated CUDA device (``rlhfmem capture --device cuda-sim``).
+"""``torch.cuda`` for a program on the simulated CUDA device (``rlhfmem capture --device cuda-sim``, the rehearsal
+device ``cuda-rehearsal``, the fake-CUDA route's ``sim`` tensors).
 
 The device itself is C++ (``simcuda/csrc/sim_cuda.cpp``: tensors, kernels, allocator). A CPU-only torch's
 ``torch.cuda`` Python functions still ask a CUDA runtime that is not there; :func:`install` answers them,
-once torch is imported and before the user's code runs:
+once torch is imported and before the program's code runs:
 
-- availability and device queries: ``is_available`` True, one device (``get_device_properties``: an
-  RTX 3090's 24 GiB, sm_86, 82 SMs, the GPU of the study and of the shared recordings);
+- availability and device queries: ``is_available`` True, one device per local rank (``device_count()`` is
+  ``$LOCAL_WORLD_SIZE``, 1 without torchrun; ``set_device`` honoured: :func:`device_selection`;
+  ``get_device_properties`` alike for each: an RTX 3090's 24 GiB, sm_86, 82 SMs, the GPU of the study and of the
+  shared recordings);
 - streams and events: ids only (allocations made under ``torch.cuda.stream(s)`` carry ``s``'s id),
   ``synchronize`` and ``elapsed_time`` do nothing / 0.0; nvtx marks and RNG seeding do nothing;
 - memory statistics (``memory_allocated``, ``max_memory_reserved``, ``memory_stats``,
-  ``reset_peak_memory_stats``, ``mem_get_info`` ...): the allocator model fed the device trace up to that
-  call (:class:`LiveAllocator`); figures are simulated;
-- ``torch.cuda.memory._record_memory_history`` / ``_snapshot`` / ``_dump_snapshot(path)``: the simulated
-  allocator's snapshot in PyTorch's pickle format (``memory/trace.py: write_snapshot``), its trace from
-  the point history was switched on; ``torch.cuda._memory_viz`` reads it.
+  ``reset_peak_memory_stats``, ``mem_get_info`` ...) and the memory history (torch's ``_record_memory_history``,
+  ``_snapshot``, ``_dump_snapshot`` and ``memory_snapshot`` run unchanged over ``torch._C``'s bindings, answered
+  here): the device's caching allocator as ``history.py: DeviceMemory`` keeps it from the device's log alone,
+  whatever recorder runs; figures are simulated;
+- ``empty_cache()``: logged in the device's log (``library.py: LOG_EMPTY_CACHE``), where the allocator releases
+  its cache;
+- pinned host memory: the device pins nothing (a pinned tensor is ordinary host memory), so the host allocator's
+  statistics (``host_memory_stats``, ``torch._C._cuda_hostMemoryStats``) are zeros and their resets do nothing.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from collections.abc import Callable
 from typing import Any
 
+from .history import DeviceMemory
 from .streams import DEFAULT_STREAM, Event, Stream, current_stream_of, device_stream
 
 TOTAL_MEMORY = 24 * 2**30  # an RTX 3090's (sm_86): the GPU of the study and of shared/snapshots
 DEVICE_NAME = "rlhfmem simulated CUDA device (RTX 3090 geometry)"
-
-
-class LiveAllocator:
-    """The allocator model fed the device's allocation log as the run goes: PyTorch's ``memory_stats()``
-    figures at any point of a simulated run (bytes). Each query reads only the log's events and the
-    recorder's marks since the previous one (a script asking after every layer stays linear in its
-    allocations); the device's ``immediate`` ``record_stream`` logs only allocations and frees (:func:`install`
-    refuses ``until-sync``), and a FLUSH mark (the script's ``empty_cache()``) empties the model's cache."""
-
-    def __init__(self, get_rec: Any) -> None:
-        self.get_rec = get_rec
-        self.model: Any = None  # made at the first query, placing segments as the device's log says
-        self._blocks: dict[int, Any] = {}
-        self._fed = 0  # log events read, counted from the recorder's start
-        self._marks_fed = 0
-
-    def update(self) -> Any:
-        from ..memory.events import FLUSH
-
-        rec = self.get_rec()
-        log = rec.row_source
-        if self.model is None:
-            from ..memory.allocator import AllocatorConfig, CachingAllocatorModel
-
-            self.model = CachingAllocatorModel(AllocatorConfig(segment_placement=log.segment_placement))
-        events, marks = log.events(self._fed), log.marks(self._marks_fed)
-        workspaces = log.workspace_addresses() if self.model.driver is not None else frozenset()
-        pending = iter(marks)
-        mark = next(pending, None)
-        for j, (action, addr, size, stream, _t) in enumerate(events, start=self._fed):
-            while mark is not None and mark[0] <= j:  # a mark sits before the log event of its index
-                if rec.mark_kind(mark[1]) == FLUSH:
-                    self.model.empty_cache()
-                mark = next(pending, None)
-            if action == 1:
-                if addr in workspaces:
-                    self.model.cublas_handle_created()
-                self._blocks[addr] = self.model.malloc(size, stream)
-            elif action == 2 and addr in self._blocks:
-                self.model.free(self._blocks.pop(addr))
-        while mark is not None:
-            if rec.mark_kind(mark[1]) == FLUSH:
-                self.model.empty_cache()
-            mark = next(pending, None)
-        self._fed += len(events)
-        self._marks_fed += len(marks)
-        return self.model.stats
-
-    def reset_peaks(self) -> None:
-        st = self.update()
-        st.peak_allocated_bytes = st.allocated_bytes
-        st.peak_reserved_bytes = st.reserved_bytes
-
-    def memory_stats(self) -> dict:
-        st = self.update()
-        return {
-            "allocated_bytes.all.current": st.allocated_bytes, "allocated_bytes.all.peak": st.peak_allocated_bytes,
-            "active_bytes.all.current": st.allocated_bytes, "active_bytes.all.peak": st.peak_allocated_bytes,
-            "reserved_bytes.all.current": st.reserved_bytes, "reserved_bytes.all.peak": st.peak_reserved_bytes,
-            "requested_bytes.all.current": st.requested_bytes,
-            "inactive_split_bytes.all.current": st.inactive_split_bytes,
-            "num_alloc_retries": st.num_alloc_retries, "num_ooms": st.num_ooms,
-            "num_device_alloc": st.num_device_alloc, "num_device_free": st.num_device_free,
-            "allocation.all.allocated": st.num_allocs, "allocation.all.freed": st.num_frees,
-            "rlhfmem.simulated": 1,
-        }
-
-
-class History:
-    """``_record_memory_history`` state: the trace position where it was switched on (None: off)."""
-
-    def __init__(self, get_rec: Any) -> None:
-        self.get_rec = get_rec
-        self.since: int | None = None
-
-    def record(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
-        on = enabled not in (None, False)
-        if on and self.since is None:
-            self.since = len(self.get_rec().trace_so_far().events)
-        elif not on:
-            self.since = None
-
-    def snapshot(self) -> dict:
-        """The simulated allocator now, as ``torch.cuda.memory._snapshot()`` returns it."""
-        import pickle
-
-        from ..memory.events import Trace
-        from ..memory.replay import FREE_RUNNING, replay
-        from ..memory.trace import write_snapshot
-
-        trace = self.get_rec().trace_so_far()
-        since = self.since or 0
-        kw = {"capture": trace.capture, "allocator_settings": trace.allocator_settings}
-        before = replay(Trace(events=trace.events[:since], **kw), mode=FREE_RUNNING, record_series=False,
-                        record_events=True)
-        now = replay(trace, mode=FREE_RUNNING, record_series=False, record_events=True)
-        window = Trace(events=(now.events or [])[len(before.events or []):], **kw)
-        import io
-        import tempfile
-        from pathlib import Path
-
-        with tempfile.TemporaryDirectory() as d:
-            path = write_snapshot(Path(d) / "s.pickle", window, now.segments,
-                                  note="simulated: a CUDA script on rlhfmem's simulated CUDA device, replayed "
-                                       "through the CUDA caching allocator model")
-            data = path.read_bytes()
-        return pickle.load(io.BytesIO(data))  # noqa: S301 - our own file, just written
-
-    def dump(self, filename: str = "dump_snapshot.pickle") -> None:
-        import pickle
-
-        snap = self.snapshot()
-        with open(filename, "wb") as f:
-            pickle.dump(snap, f)
 
 
 class ScalarSites:
@@ -196,24 +90,77 @@ def device_properties() -> Any:
 SCALAR_SITES = ScalarSites()
 
 
-def install(get_rec: Any) -> list[str]:
-    """Answer ``torch.cuda``'s Python functions for the simulated device; ``get_rec()`` returns the rank's
-    :class:`~pytest_rlhfmem.record.recorder.Recorder` (its ``row_source`` the device's log) once recording
-    runs. Call before the recorder intercepts ``empty_cache`` (a no-op here; the recorder marks the flush).
-    Returns the names replaced (recorded in the result)."""
+def device_selection(torch: Any) -> dict[str, Callable]:
+    """``torch.cuda``'s device selection on the simulated device: one device per local rank, as torchrun gives each
+    rank a GPU of its own (``device_count()`` is ``$LOCAL_WORLD_SIZE``, 1 without it), and the current device is the
+    device guard's (per thread, as ``cudaSetDevice``; ``csrc/cuda_hooks.h``), where new tensors land. ``set_device``
+    of an index at or above the count raises ``RuntimeError`` ("invalid device ordinal", as CUDA does); a negative
+    index is a no-op (``torch/cuda/__init__.py: set_device``). Also ``torch.cuda.device(i)``'s exchange."""
+
+    get_index = getattr(torch._C, "_accelerator_getDeviceIndex", lambda: 0)  # the accelerator API: torch >= 2.6
+    set_index = getattr(torch._C, "_accelerator_setDeviceIndex", lambda index: None)
+
+    def device_count() -> int:
+        return int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+
+    def current_device() -> int:
+        return get_index()
+
+    def set_device(device: Any) -> None:
+        index = torch.cuda._get_device_index(device)
+        if index < 0:
+            return
+        if index >= device_count():
+            raise RuntimeError(f"CUDA error: invalid device ordinal: device {index} of the simulated CUDA device's "
+                               f"{device_count()} (one per local rank: $LOCAL_WORLD_SIZE)")
+        set_index(index)
+
+    def exchange_device(index: int) -> int:  # torch.cuda._exchange_device / _maybe_exchange_device
+        if index < 0:
+            return -1
+        previous = current_device()
+        set_device(index)
+        return previous
+
+    return {"device_count": device_count, "current_device": current_device, "set_device": set_device,
+            "_exchange_device": exchange_device, "_maybe_exchange_device": exchange_device}
+
+
+HOST_STAT_KEYS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")  # host_memory_stats' own
+HOST_STAT_FIELDS = ("current", "peak", "allocated", "freed")
+DEVICE_MEMORY: DeviceMemory | None = None  # the process's device memory, once install() ran
+
+
+def host_memory_stats_nested() -> dict:
+    """``torch._C._cuda_hostMemoryStats()``: the pinned host allocator's statistics, all zero (nothing is pinned
+    on the simulated device), in PyTorch's nested form (``torch/cuda/memory.py: host_memory_stats``)."""
+    out: dict[str, Any] = {k: {f: 0 for f in HOST_STAT_FIELDS} for k in HOST_STAT_KEYS}
+    out |= {"num_host_alloc": 0, "num_host_free": 0}
+    return out
+
+
+def install(count_scalar_reads: bool = True) -> list[str]:
+    """Answer ``torch.cuda``'s Python functions for the simulated device, from the device itself (its log, fed
+    through :class:`~.history.DeviceMemory`). Call before a recorder intercepts ``empty_cache`` (the recorder then
+    marks the program's calls and runs this one). ``count_scalar_reads``: count the call sites of value reads
+    (:data:`SCALAR_SITES`) when the device computes no values (False where the caller counts them itself: the
+    fake-CUDA route's stand-ins). Returns the names replaced (recorded in the result). Raises ``ValueError`` for a
+    ``record_stream`` mode the answers do not follow."""
+    global DEVICE_MEMORY
     import torch
 
-    from .library import ENV_RECORD_STREAM, drop_python_gpu_kernels, library, record_stream_mode, values_on
+    from .library import ENV_RECORD_STREAM, LOG_EMPTY_CACHE, drop_python_gpu_kernels, library, record_stream_mode, \
+        values_on
 
     if record_stream_mode() != "immediate":  # its stand-ins log no host waits: delays would never end
         raise ValueError(f"${ENV_RECORD_STREAM}={record_stream_mode()}: modelled on the fake-CUDA route only "
                          "(python -m studies.study_scale --record-stream); a command's capture supports: immediate")
     lib = library()
-    live, history = LiveAllocator(get_rec), History(get_rec)
+    memory = DEVICE_MEMORY = DeviceMemory(lib, device=lambda: torch.cuda.current_device())
 
     def stat(key: str):
         def f(device: Any = None) -> int:
-            return live.memory_stats()[key]
+            return memory.memory_stats()[key]
         return f
 
     props = device_properties()
@@ -223,11 +170,14 @@ def install(get_rec: Any) -> list[str]:
             return None
         return noop
 
+    def empty_cache() -> None:
+        lib.rlhfmem_sim_cuda_log(LOG_EMPTY_CACHE, 0, -1)
+
     cuda = torch.cuda
     answers = {
-        "_lazy_init": noop_fn(), "init": noop_fn(), "empty_cache": noop_fn(),
+        "_lazy_init": noop_fn(), "init": noop_fn(), "empty_cache": empty_cache,
         "is_available": lambda: True, "is_initialized": lambda: True,
-        "device_count": lambda: 1, "current_device": lambda: 0, "set_device": noop_fn(),
+        **device_selection(torch),
         "get_device_name": lambda device=None: DEVICE_NAME, "get_device_properties": lambda device=None: props,
         "get_device_capability": lambda device=None: (8, 6), "is_bf16_supported": lambda *a, **k: True,
         "synchronize": noop_fn(), "Stream": Stream, "Event": Event,
@@ -239,11 +189,11 @@ def install(get_rec: Any) -> list[str]:
         "max_memory_allocated": stat("allocated_bytes.all.peak"),
         "memory_reserved": stat("reserved_bytes.all.current"), "max_memory_reserved": stat("reserved_bytes.all.peak"),
         "memory_cached": stat("reserved_bytes.all.current"), "max_memory_cached": stat("reserved_bytes.all.peak"),
-        "memory_stats": lambda device=None: live.memory_stats(),
-        "reset_peak_memory_stats": lambda device=None: live.reset_peaks(),
-        "reset_max_memory_allocated": lambda device=None: live.reset_peaks(),
-        "reset_max_memory_cached": lambda device=None: live.reset_peaks(),
-        "mem_get_info": lambda device=None: (TOTAL_MEMORY - live.update().reserved_bytes, TOTAL_MEMORY),
+        "memory_stats": lambda device=None: memory.memory_stats(),
+        "reset_peak_memory_stats": lambda device=None: memory.reset_peaks(),
+        "reset_max_memory_allocated": lambda device=None: memory.reset_peaks(),
+        "reset_max_memory_cached": lambda device=None: memory.reset_peaks(),
+        "mem_get_info": lambda device=None: (TOTAL_MEMORY - memory.update().reserved_bytes, TOTAL_MEMORY),
     }
     names = []
     for name, fn in answers.items():
@@ -251,14 +201,20 @@ def install(get_rec: Any) -> list[str]:
         if hasattr(cuda.memory, name):
             setattr(cuda.memory, name, fn)
         names.append(name)
-    cuda.memory._record_memory_history = history.record
-    cuda.memory._snapshot = history.snapshot
-    cuda.memory._dump_snapshot = history.dump
-    names += ["memory._record_memory_history", "memory._snapshot", "memory._dump_snapshot"]
+    # the memory history below torch's own Python (_record_memory_history, _snapshot, _dump_snapshot,
+    # memory_snapshot run unchanged), and the pinned host allocator's statistics: nothing is pinned
+    bindings = {"_cuda_record_memory_history": memory.record_history,
+                "_cuda_record_memory_history_legacy": memory.record_history_legacy,
+                "_cuda_memorySnapshot": memory.snapshot,
+                "_cuda_hostMemoryStats": host_memory_stats_nested, "_cuda_resetPeakHostMemoryStats": noop_fn(),
+                "_cuda_resetAccumulatedHostMemoryStats": noop_fn()}
+    for name, fn in bindings.items():
+        setattr(torch._C, name, fn)
+    names.append("torch._C." + ",".join(bindings))
     for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
         setattr(cuda.nvtx, name, noop_fn())
     names.append("nvtx")
-    if not values_on(lib):  # with values on, every read gets the program's own value: nothing to name
+    if count_scalar_reads and not values_on(lib):  # with values on, each read gets the program's value: nothing to name
         SCALAR_SITES.install(torch)
         names.append("Tensor.item/__bool__/__int__/__float__/tolist: call sites counted")
     dropped = drop_python_gpu_kernels()  # a CUDA build's only

@@ -3,7 +3,8 @@ the user's command, so every Python process it starts imports this module at sta
 
 It does two things, and nothing else until torch is imported:
 1. chains to the ``sitecustomize`` this one shadows (the environment's own, if any);
-   (with ``--device cuda-sim``, the simulated CUDA device's library is loaded right before torch executes)
+   (with ``--device cuda-sim`` or ``cuda-rehearsal``, the simulated CUDA device's library is loaded right before torch
+   executes)
 2. when ``$RLHFMEM_CAPTURE_DIR`` is set, watches for ``import torch`` and, right after torch has finished
    importing, starts recording this rank (``pytest_rlhfmem.command.rank.start_command_capture``): before
    the user's code allocates anything or builds a model.
@@ -63,7 +64,7 @@ class _StartOnTorchImport(importlib.abc.MetaPathFinder):
             if finder in sys.meta_path:
                 sys.meta_path.remove(finder)
             library = os.environ.get("RLHFMEM_SIM_CUDA_LIBRARY")
-            if os.environ.get("RLHFMEM_CAPTURE_DEVICE") == "cuda-sim" and library:
+            if os.environ.get("RLHFMEM_CAPTURE_DEVICE") in ("cuda-sim", "cuda-rehearsal") and library:
                 # the simulated CUDA device registers its hooks, kernels and allocator before torch starts
                 from pytest_rlhfmem.simcuda.library import load_before_torch
 

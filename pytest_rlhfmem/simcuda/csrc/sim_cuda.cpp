@@ -26,6 +26,7 @@
 // the same code paths: see "on a CUDA build of torch" below (simcuda/build.py: load_built).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <ATen/native/transformers/attention.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
@@ -52,7 +53,8 @@ namespace {
 
 // ---- the device trace -------------------------------------------------------------------------------
 struct Ev {
-  int64_t action;  // 1 alloc, 2 free; logged from Python (rlhfmem_sim_cuda_log): 3 record_stream, 4 host sync
+  int64_t action;  // 1 alloc, 2 free; logged from Python (rlhfmem_sim_cuda_log): 3 record_stream, 4 host sync,
+                   // 6 empty_cache
   uint64_t addr;
   int64_t size;
   int64_t stream;
@@ -67,14 +69,51 @@ int64_t g_workspace_bytes = 8519680;  // CUBLAS_WORKSPACE_CONFIG default before 
 std::atomic<int64_t> g_scalar_answers[4];  // bool, int, float, other
 std::atomic<int64_t> g_workspaces{0};
 
-int64_t now_us() {
+int64_t steady_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The device's clock: steady_clock microseconds, advanced at least 1 us per stamp (a log event or an annotation),
+// so that time orders the log and the memory history's annotations exactly. A GPU's allocator stamps both with
+// one approximate clock too (c10::getApproximateTime), where two stamps may share a microsecond; here they never
+// do. Read and advanced under g_mu.
+int64_t g_last_us = 0;
+int64_t stamp_us() {
+  g_last_us = std::max(steady_us(), g_last_us + 1);
+  return g_last_us;
+}
+// system_clock minus steady_clock when the library loaded: a stamp plus this is microseconds since the epoch, as
+// a real snapshot's time_us (CUDACachingAllocator.cpp converts its approximate clock with tsc_to_us).
+const int64_t g_epoch_offset_us =
+    std::chrono::duration_cast<std::chrono::microseconds>(
+        std::chrono::system_clock::now().time_since_epoch()).count() - steady_us();
+
 void log_event(int64_t action, uint64_t addr, int64_t size, int64_t stream) {
   std::lock_guard<std::mutex> g(g_mu);
-  g_events.push_back({action, addr, size, stream, now_us()});
+  g_events.push_back({action, addr, size, stream, stamp_us()});
+}
+
+// ---- the memory history's annotations ------------------------------------------------------------------------
+// PyTorch's _record_memory_history(enabled=...) registers a RecordFunction callback for USER_SCOPE functions
+// (torch/csrc/cuda/memory_snapshot.cpp: _initRecordAnnotations; thread-local unless global_record_annotations) that
+// records a START and an END annotation with the function's name, the current device and the allocator's clock
+// (CUDACachingAllocator.cpp: recordAnnotation); disabling removes it. The same here, into g_annotations, stamped on
+// the device's clock; which of them a snapshot shows (a ring buffer cleared at every _record_memory_history call) is
+// simcuda/torch_cuda.py's. `record_function` from Python is USER_SCOPE.
+struct Annotation {
+  std::string name;
+  int64_t stage;  // 0 START, 1 END
+  int64_t device;
+  int64_t time_us;
+};
+std::vector<Annotation> g_annotations;
+at::CallbackHandle g_annotation_handle = 0;
+
+void record_annotation(const at::RecordFunction& fn, int64_t stage) {
+  int64_t device = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
+  std::lock_guard<std::mutex> g(g_mu);
+  g_annotations.push_back({fn.name(), stage, device, stamp_us()});
 }
 
 struct Block {
@@ -109,7 +148,9 @@ void noop_delete(void*) {}
 
 struct SimCudaAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    c10::Device dev(c10::DeviceType::CUDA, 0);
+    // the thread's current device, as the caching allocator's (c10::cuda::current_device()); an op sets it to its
+    // tensors' device first (cuda_via_meta), as a CUDA kernel's device guard does. One log for all devices.
+    c10::Device dev(c10::DeviceType::CUDA, rlhfmem::DeviceGuard::current());
     if (n == 0) return {nullptr, nullptr, &noop_delete, dev};  // as the caching allocator: no block
     int64_t span = 0;
     uint64_t addr;
@@ -533,11 +574,30 @@ c10::IValue to_device_output(const c10::IValue& v, const HostArgs& h) {
 // at::empty({}, at::dtype(at::kLong)) unless a CUDA graph is being captured); their meta kernels say "meta".
 const std::unordered_set<std::string> kHostReturns = {"philox_seed", "philox_offset"};
 
+// The device an op runs on, as a CUDA kernel's device guard picks it: an explicit CUDA `device=` argument with an
+// index, else the first CUDA tensor argument's device; none (the current device) otherwise.
+std::optional<c10::Device> op_device(const std::vector<c10::IValue>& args) {
+  for (const c10::IValue& a : args)
+    if (a.isDevice() && a.toDevice().is_cuda() && a.toDevice().has_index()) return a.toDevice();
+  for (const c10::IValue& a : args) {
+    if (a.isTensor() && is_cuda(a.toTensor())) return a.toTensor().device();
+    if (a.isTensorList()) {
+      for (const at::Tensor& t : a.toTensorList())
+        if (is_cuda(t)) return t.device();
+    } else if (a.isList()) {
+      for (const c10::IValue& e : a.toList())
+        if (e.isTensor() && is_cuda(e.toTensor())) return e.toTensor().device();
+    }
+  }
+  return std::nullopt;
+}
+
 void cuda_via_meta(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto n_args = schema.arguments().size();
   const size_t base = stack->size() - n_args;
   std::vector<c10::IValue> args(stack->end() - n_args, stack->end());  // the CUDA arguments, as called
+  c10::OptionalDeviceGuard device_guard(op_device(args));  // outputs and temporaries on the op's device
   const bool values = g_values.load(std::memory_order_relaxed);
   Mapping m;
   for (size_t i = base; i < stack->size(); ++i) (*stack)[i] = to_meta((*stack)[i], m);
@@ -776,7 +836,7 @@ void rlhfmem_sim_cuda_set_sdp_backend(int64_t b) { g_sdp_backend = b; }
 int64_t rlhfmem_sim_cuda_stream() { return t_stream; }
 // Python's stand-ins log what changes when a freed block returns to the pool (simcuda/library.py:
 // delay_record_stream_frees): 3 = Tensor.record_stream(storage at addr, stream), 4 = the host waits for
-// stream (-1: every stream: synchronize, empty_cache).
+// stream (-1: every stream: synchronize, empty_cache); and 6 = torch.cuda.empty_cache() (simcuda/torch_cuda.py).
 void rlhfmem_sim_cuda_log(int64_t action, uint64_t addr, int64_t stream) { log_event(action, addr, 0, stream); }
 int64_t rlhfmem_sim_cuda_workspaces() { return g_workspaces.load(); }
 // The device addresses of the cuBLAS workspaces made so far (never freed, so each names one allocation), in
@@ -809,5 +869,68 @@ int64_t rlhfmem_sim_cuda_events(int64_t start, int64_t cap, int64_t* action, uin
 int64_t rlhfmem_sim_cuda_event_count() {
   std::lock_guard<std::mutex> g(g_mu);
   return static_cast<int64_t>(g_events.size());
+}
+// torch.UntypedStorage.resize_ of a device storage, which a CPU build refuses ("built without USE_CUDA";
+// torch/csrc/StorageMethods.cpp). As aten/src/ATen/native/cuda/Resize.cpp: resize_bytes_cuda: to 0 bytes the block
+// is freed; otherwise a new block on the storage's device, the old contents copied (values on), then the old
+// freed. FSDP2 frees and re-allocates its unsharded parameters this way (_fsdp_param.py: free_storage,
+// alloc_storage). `impl`: the c10::StorageImpl (Python: storage._cdata). Returns 0, -1 when it is not resizable.
+int64_t rlhfmem_sim_cuda_resize_storage(void* impl, int64_t nbytes) {
+  auto* s = static_cast<c10::StorageImpl*>(impl);
+  if (!s->resizable()) return -1;
+  const c10::Device device = s->device();
+  if (nbytes == 0) {
+    s->set_data_ptr_noswap(at::DataPtr(nullptr, device));
+    s->set_nbytes(0);
+    return 0;
+  }
+  c10::DeviceGuard guard(device);
+  c10::Allocator* allocator = s->allocator() != nullptr ? s->allocator() : &g_allocator;
+  at::DataPtr data = allocator->allocate(static_cast<size_t>(nbytes));
+  if (s->data_ptr().get() != nullptr && g_values.load())
+    std::memcpy(data.get(), s->data_ptr().get(), std::min<size_t>(s->nbytes(), static_cast<size_t>(nbytes)));
+  s->set_data_ptr_noswap(std::move(data));
+  s->set_nbytes(static_cast<size_t>(nbytes));
+  return 0;
+}
+// A stamp of the device's clock now (advancing it), e.g. a snapshot's own history entry.
+int64_t rlhfmem_sim_cuda_stamp_us() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return stamp_us();
+}
+// Microseconds to add to a stamp (a log event's or an annotation's time_us) for microseconds since the epoch.
+int64_t rlhfmem_sim_cuda_epoch_offset_us() { return g_epoch_offset_us; }
+// The memory history's annotation callback (see "the memory history's annotations"): on (global: every thread's
+// record_function, else the calling thread's, as PyTorch's global_record_annotations) or off. Returns 0.
+int64_t rlhfmem_sim_cuda_set_annotations(int on, int global) {
+  if (g_annotation_handle != 0) {
+    at::removeCallback(g_annotation_handle);
+    g_annotation_handle = 0;
+  }
+  if (!on) return 0;
+  auto callback = at::RecordFunctionCallback(
+                      [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+                        record_annotation(fn, 0);
+                        return nullptr;
+                      },
+                      [](const at::RecordFunction& fn, at::ObserverContext*) { record_annotation(fn, 1); })
+                      .scopes({at::RecordScope::USER_SCOPE});
+  g_annotation_handle = global ? at::addGlobalCallback(callback) : at::addThreadLocalCallback(callback);
+  return 0;
+}
+int64_t rlhfmem_sim_cuda_annotation_count() {
+  std::lock_guard<std::mutex> g(g_mu);
+  return static_cast<int64_t>(g_annotations.size());
+}
+// Annotation i: its name into name (up to cap bytes, not terminated), stage (0 START, 1 END), device and time_us;
+// returns the name's full length, -1 when there is no annotation i.
+int64_t rlhfmem_sim_cuda_annotation(int64_t i, char* name, int64_t cap, int64_t* stage, int64_t* device,
+                                    int64_t* time_us) {
+  std::lock_guard<std::mutex> g(g_mu);
+  if (i < 0 || i >= static_cast<int64_t>(g_annotations.size())) return -1;
+  const Annotation& a = g_annotations[i];
+  std::memcpy(name, a.name.data(), std::min<size_t>(a.name.size(), static_cast<size_t>(cap)));
+  *stage = a.stage; *device = a.device; *time_us = a.time_us;
+  return static_cast<int64_t>(a.name.size());
 }
 }

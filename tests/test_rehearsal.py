@@ -7,6 +7,7 @@ of the simulated routes that read the same device directly: the ``cuda-sim`` cap
 fake-CUDA route's ``sim`` tensors for the DeepSpeed-Chat recipe. Its results are labelled simulated, under their own
 capture and profile, and never compared with a GPU's or a CPU route's budgets."""
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -148,11 +149,13 @@ def test_the_recipe_rehearsed_gives_the_fake_cuda_routes_figures_to_the_byte(tmp
         assert figures(rank0) == figures(fake[cell.id]), cell.id
         assert reh["capture"] == "cuda-rehearsal-simulated" and reh["simulated"] is True
         assert rank0["rehearsal"]["stands_in_for"].keys() == {"GPU", "nvcc op builds", "NCCL"}
-        policy = [f for f in rank0["flushes"] if f["name"].startswith("after-")]
-        # one FLUSH per policy flush on the CUDA route (none added by its own intercepted empty_cache)
-        assert [f["name"] for f in policy] == ([f"after-{p}" for p in ("generate", "infer_actor", "infer_reference",
-                                                                       "infer_reward", "infer_critic")]
-                                               if flush == "after-inference" else [])
+        # one FLUSH per policy flush on the CUDA route, and DeepSpeed's own empty_cache() calls named by their caller,
+        # as the fake-CUDA route records them (no FLUSH of the recorder's own empty_cache through the interception)
+        names = [f["name"] for f in rank0["flushes"]]
+        assert names == [f["name"] for f in fake[cell.id]["flushes"]]
+        assert [n for n in names if n.startswith("after-")] == (
+            [f"after-{p}" for p in ("generate", "infer_actor", "infer_reference", "infer_reward", "infer_critic")]
+            if flush == "after-inference" else [])
 
 
 # -- the fixtures on the rehearsal device: update, pass, fail a cut budget ----------------------------------------
@@ -203,3 +206,18 @@ def test_a_rehearsal_budget_refuses_a_cpu_capture_and_the_reverse(tmp_path):
     assert B.not_comparable(tmp_path / "b.yaml", entry("cuda-memory-history"), "cuda-rehearsal-simulated", {})
     assert B.not_comparable(tmp_path / "b.yaml", entry("cuda-rehearsal-simulated"), "cuda-rehearsal-simulated",
                             {}) is None
+
+
+def test_a_killed_ranks_progress_file_keeps_its_cuda_peaks_not_what_it_held(tmp_path):
+    """The CUDA route's progress file (record/rank.py: RankCapture.progress) reads memory_stats()' peaks: a rank
+    killed after freeing its peak and emptying the cache is reported with the peak it reached."""
+    result = run_command([sys.executable, str(COMMANDS / "cuda_killed_after_peak.py")], "killed", device=REHEARSAL,
+                         work_dir=tmp_path / "w", timeout=600, sim_values="off")
+    assert result["status"] == "failed"
+    failure = result["failure"]
+    assert (failure["phase"], failure.get("signal")) == ("wait", "SIGKILL"), failure
+    line = next(ln for ln in Path(result["log"]).read_text().splitlines() if ln.startswith("PEAKS "))
+    peaks = json.loads(line.removeprefix("PEAKS "))
+    assert peaks["reserved"] >= 64 << 20  # the program's own figures: the peak it reached
+    so_far = failure["memory_so_far"]
+    assert (so_far["peak_reserved"], so_far["peak_allocated"]) == (peaks["reserved"], peaks["allocated"])

@@ -723,27 +723,6 @@ def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device:
     return trace
 
 
-def cuda_phase_stats(before: dict, after: dict) -> dict:
-    """One phase's real figures from two ``torch.cuda.memory_stats()`` dicts (bytes and counts).
-
-    Peaks are valid only when the phase began with ``reset_peak_memory_stats()``: the recorder no longer
-    does that (it resets the program's own counters) and records :func:`cuda_phase_counters` instead; this
-    reads ``memory_stats()`` pairs taken that way.
-    """
-    def d(key: str) -> int:
-        return int(after.get(key, 0)) - int(before.get(key, 0))
-
-    return {
-        "peak_reserved": int(after.get("reserved_bytes.all.peak", 0)),
-        "peak_allocated": int(after.get("allocated_bytes.all.peak", 0)),
-        "inactive_split_bytes": int(after.get("inactive_split_bytes.all.current", 0)),
-        "cuda_malloc_count": d("num_device_alloc") if "num_device_alloc" in after else d("segment.all.allocated"),
-        "cuda_free_count": d("num_device_free") if "num_device_free" in after else d("segment.all.freed"),
-        "alloc_retries": d("num_alloc_retries"),
-        "ooms": d("num_ooms"),
-    }
-
-
 def cuda_phase_counters(before: dict, after: dict) -> dict:
     """One phase's allocator counters from two ``torch.cuda.memory_stats()`` dicts: cudaMalloc/cudaFree
     calls, allocation retries and OOMs during the phase (counts). No peaks: the recorder never calls

@@ -684,9 +684,11 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
     if nodes is not None:
         codes = {nodes.node_rank: returncode} | {n: (a["returncode"] if a else "no report") for n, a in agents.items()}
         launchers = " (agents' exit codes: " + ", ".join(f"node {n}: {c}" for n, c in sorted(codes.items())) + ")"
-    codes, root_rank = torchrun_failures(logs) if returncode != 0 else ({}, None)
-    ranks, failures = [], []
     expected = tuple(range(scenario.world_size)) if ranks_run is None else ranks_run
+    codes, root_rank = torchrun_failures(logs) if returncode != 0 else ({}, None)
+    if not codes and returncode is not None and returncode < 0 and len(expected) == 1:
+        codes = {expected[0]: returncode}  # one process, no torchrun: its exit status is the rank's own
+    ranks, failures = [], []
     for r in expected:
         res_p, prog_p = work / f"result-rank{r}.json", work / f"progress-rank{r}.json"
         if res_p.exists():

@@ -3,8 +3,8 @@
 - ``memory/csrc/replay_core.cpp``, ``memory/csrc/snapshot_reader.cpp``: self-contained (no torch);
 - ``simcuda/csrc/fake_cuda.cpp``, ``simcuda/csrc/sim_cuda.cpp``: the device libraries, linked against the
   installed torch's ``libc10``/``libtorch_cpu`` (``torch=True``; never imports torch);
-- ``record/csrc/cpu_alloc_recorder.cpp``: a Python extension module of torch (``python_module=True``;
-  the caller passes torch's ABI flags: ``record/cpu_recorder.py``).
+- ``record/csrc/cpu_alloc_recorder.cpp``, ``simcuda/csrc/sim_dist.cpp``: Python extension modules of torch
+  (``python_module=True``; the caller passes torch's ABI flags, :func:`torch_abi_flags`).
 
 The cache key is the source (and the ``.h`` files beside it), the flags, the compiler binary (path, size,
 mtime) and, for a library linked against torch, the torch installation (its directory and ``version.py``), so
@@ -110,3 +110,36 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
             raise unavailable(f"{cxx} failed building {source.name}: {proc.stderr.strip()[-2000:]}")
         tmp.replace(out)
     return out
+
+
+def torch_abi_flags() -> list[str]:
+    """The flags a Python extension of the imported torch is compiled with (as ``torch.utils.cpp_extension``
+    sets them): the C++ standard of its headers (C++17 before torch 2.9, C++20 since), its libstdc++ ABI
+    (``torch._C._GLIBCXX_USE_CXX11_ABI``: 0 in torch 2.5's wheels) and, where torch names them, its pybind11
+    ABI (``torch._C._PYBIND11_*``)."""
+    import torch
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    flags = [f"-std=c++{20 if (major, minor) >= (2, 9) else 17}",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    for name in ("COMPILER_TYPE", "STDLIB", "BUILD_ABI"):
+        value = getattr(torch._C, f"_PYBIND11_{name}", None)
+        if value is not None:
+            flags.append(f'-DPYBIND11_{name}="{value}"')
+    return flags
+
+
+def load_extension(path: str | Path, unavailable: type[Exception], what: str):
+    """Import the Python extension built at ``path`` (``python_module=True``: its file name up to the first dot is
+    its module name) and return the module. Raises ``unavailable`` naming ``what`` when it cannot be imported."""
+    import importlib.machinery
+
+    name = Path(path).name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    try:
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        loader.exec_module(module)
+    except ImportError as exc:
+        raise unavailable(f"cannot load {what} {path}: {exc}") from exc
+    return module

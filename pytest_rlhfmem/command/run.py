@@ -267,6 +267,8 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
     t0 = time.perf_counter()
     # the user's environment as it is (hubs online, their thread settings); on CPU CUDA hidden
     run_env = command_env("cpu" if device in SIMULATED_DEVICES else device)
+    if device == SIM_DEVICE and "DS_ACCELERATOR" not in os.environ:
+        run_env["DS_ACCELERATOR"] = "cuda"  # a GPU program's DeepSpeed: its CUDA accelerator, on the device
     run_env.update(env or {})
     if is_torchrun:  # torchrun sets these per worker; inherited ones would make its agent look like a rank
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):

@@ -12,44 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cbuild import build_library
+from ..cbuild import build_library, load_extension, torch_abi_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_alloc_recorder.cpp"
 _ext = None
 
 
-def torch_abi_flags() -> list[str]:
-    """The flags a Python extension of the imported torch is compiled with (as ``torch.utils.cpp_extension``
-    sets them): the C++ standard of its headers (C++17 before torch 2.9, C++20 since), its libstdc++ ABI
-    (``torch._C._GLIBCXX_USE_CXX11_ABI``: 0 in torch 2.5's wheels) and, where torch names them, its pybind11
-    ABI (``torch._C._PYBIND11_*``)."""
-    import torch
-
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    flags = [f"-std=c++{20 if (major, minor) >= (2, 9) else 17}",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    for name in ("COMPILER_TYPE", "STDLIB", "BUILD_ABI"):
-        value = getattr(torch._C, f"_PYBIND11_{name}", None)
-        if value is not None:
-            flags.append(f'-DPYBIND11_{name}="{value}"')
-    return flags
-
-
 def _load_module(path: str):
-    """Import the built extension at ``path`` (its file name up to the first dot is its module name). Raises
-    ``RuntimeError``."""
-    import importlib.machinery
-    import importlib.util
-
-    name = Path(path).name.split(".")[0]
-    loader = importlib.machinery.ExtensionFileLoader(name, path)
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    try:
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        loader.exec_module(module)
-    except ImportError as exc:
-        raise RuntimeError(f"cannot load the CPU allocation recorder {path}: {exc}") from exc
-    return module
+    """Import the built extension at ``path``. Raises ``RuntimeError``."""
+    return load_extension(path, RuntimeError, "the CPU allocation recorder")
 
 
 def load_recorder():

@@ -3,7 +3,9 @@
 - ``fake_cuda.cpp`` (:data:`SOURCE`): CUDA device guard + hooks, for the recipes' fake-CUDA route
   (``FakeTensorMode`` on top);
 - ``sim_cuda.cpp`` (:data:`SIM_SOURCE`): the same plus a simulated CUDA device (allocator that logs, meta
-  kernels), for ``rlhfmem capture --device cuda-sim`` (``simcuda/library.py``).
+  kernels), for ``rlhfmem capture --device cuda-sim`` (``simcuda/library.py``);
+- ``sim_dist.cpp`` (:data:`DIST_SOURCE`): the device's process group (``nccl``, and ``gloo`` on device tensors), a
+  Python extension of torch loaded after ``import torch`` (``simcuda/distributed.py``): :func:`dist_library_path`.
 
 On a CUDA build of torch (``lib/libtorch_cuda.so``, no GPU needed) :func:`load_built` loads libtorch_cuda itself,
 between the library and its take-over of libtorch_cuda's CUDA registrations, so the device runs as on a CPU build.
@@ -19,11 +21,12 @@ import ctypes
 import sys
 from pathlib import Path
 
-from ..cbuild import build_library, torch_dir
+from ..cbuild import build_library, torch_abi_flags, torch_dir
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "fake_cuda.cpp"  # the recipes' route: FakeTensorMode on top
 SIM_SOURCE = CSRC / "sim_cuda.cpp"  # a user's script: the simulated device
+DIST_SOURCE = CSRC / "sim_dist.cpp"  # the device's process group: a Python extension of torch
 DEVICE_CXXFLAGS = ("-O1", "-shared", "-fPIC", "-std=c++20", "-w")  # torch's headers: C++20, their warnings off
 
 
@@ -35,6 +38,14 @@ def library_path(source: Path = SOURCE) -> Path:
     """Build ``source`` (and the ``cuda_hooks.h`` beside it) against the installed torch if no cached build
     matches (``cbuild.py: build_library``); return the library's path. Raises :class:`FakeCudaUnavailable`."""
     return build_library(source, FakeCudaUnavailable, DEVICE_CXXFLAGS, torch=True)
+
+
+def dist_library_path() -> Path:
+    """Build the device's process group (:data:`DIST_SOURCE`, a Python extension of the installed torch: about 20 s
+    of g++ once, then cached) and return its path. Imports torch (for its ABI flags: ``cbuild.torch_abi_flags``),
+    so a launcher calls it, not a rank before torch. Raises :class:`FakeCudaUnavailable` (one line)."""
+    return build_library(DIST_SOURCE, FakeCudaUnavailable, ("-O1", "-shared", "-fPIC", "-w", *torch_abi_flags()),
+                         python_module=True)
 
 
 def load(source: Path = SOURCE) -> Path:

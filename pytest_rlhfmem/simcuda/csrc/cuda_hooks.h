@@ -35,6 +35,10 @@ struct DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getStream(c10::Device d) const noexcept override {
     return c10::Stream(c10::Stream::UNSAFE, d, streams()[d.index()]);
   }
+  // A stream "from the pool" is the device's current one (no work runs anywhere; allocations are tagged with the
+  // stream Python makes current: simcuda/streams.py). c10::ivalue::Future's callbacks (`then`) ask for one.
+  c10::Stream getStreamFromGlobalPool(const c10::Device d, bool = false) const override { return getStream(d); }
+  c10::Stream getNewStream(c10::Device d, int = 0) const override { return getStream(d); }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
     auto old = streams()[s.device_index()];
     streams()[s.device_index()] = s.id();
@@ -52,6 +56,9 @@ struct DeviceGuard final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeDevice(const c10::DeviceIndex) const override {}
 #endif
   double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
+
+  // The calling thread's current device (as cudaGetDevice: per host thread): where a new allocation lands.
+  static c10::DeviceIndex current() { return current_device_; }
 
  private:
   static std::array<c10::StreamId, c10::impl::kFakeGuardImplMaxDevices>& streams() {

@@ -73,3 +73,23 @@ def test_ddp_and_fsdp2_train_to_their_end_and_agree_on_every_loss(tmp_path):
     # FSDP2 keeps each rank's half of the parameters and optimizer states, DDP all of them and its gradient buckets
     assert max(r["total"]["peak_allocated"] for r in fsdp["ranks"]) < min(r["total"]["peak_allocated"]
                                                                          for r in ddp["ranks"])
+
+
+def test_a_nccl_group_holds_device_memory_as_process_group_nccl_does(tmp_path):
+    """The program's own torch.cuda.memory_allocated() around each case (tests/data/commands/dist_memory.py), as
+    ProcessGroupNCCL.cpp of torch 2.13 allocates and keeps: a blocking all-reduce keeps nothing; an asynchronous one
+    keeps its tensor in the work's stash until wait() and in the work's outputs until the work is dropped; dropped
+    unwaited, the watchdog's copy keeps the stash until the group's next collective; an all-gather into a list
+    flattens its output in a buffer of its own (2 x 1 MiB at world size 2); a barrier's 1-byte tensor and 1-element
+    fp32 tensor (512 B blocks) are freed when it returns."""
+    r = ok(torchrun(tmp_path, "dist_memory.py"))
+    cases = {row.pop("case"): row for row in (json.loads(ln.removeprefix("MEM ")) for ln in
+                                              Path(r["log"]).read_text().splitlines() if ln.startswith("MEM "))}
+    mib = 1 << 20
+    assert cases == {
+        "blocking": {"after_del": 0},
+        "async_waited": {"before_wait": mib, "after_wait": mib, "after_del_work": 0},
+        "async_dropped": {"before_next": mib, "after_next": 512},
+        "all_gather_list": {"peak_extra": 2 * mib, "after": 0},
+        "barrier": {"peak_extra": 1024, "after": 0},
+    }

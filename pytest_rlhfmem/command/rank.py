@@ -49,6 +49,10 @@ def start_command_capture() -> None:
     if not out or _command_capture is not None:
         return
     if env.get(ENV_TORCHRUN) == "1" and "LOCAL_RANK" not in env:
+        if env.get(ENV_DEVICE) in ("cuda-sim", REHEARSAL_DEVICE):  # the launcher's own process asks torch.cuda too
+            from ..simcuda.torch_cuda import install  # (accelerate launch: device_count() picks its launcher)
+
+            install()
         return
     rank = int(env.get("RANK", "0"))
     try:

@@ -26,11 +26,13 @@ from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, comma
 from ..rlhf.scenario import ScenarioError
 from ..simcuda.distributed import ENV_LIBRARY as ENV_SIM_DIST_LIBRARY
 from ..simcuda.library import ENV_VALUES, values_mode
+from ..simcuda.torch_cuda import ENV_DEVICES as ENV_SIM_DEVICES
 from . import rank as R
 
 BOOTSTRAP_DIR = Path(__file__).with_name("bootstrap")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding pytest_rlhfmem/
 TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+ACCELERATE_MODULE = "accelerate.commands.launch"  # `accelerate launch` as python -m: torchrun's agent inside
 
 
 class CommandError(ValueError):
@@ -43,9 +45,11 @@ def plan_command(command: Sequence[str] | str, world_size: int | None = None,
 
     A ``.py`` path gets this interpreter in front. With ``world_size``/``nproc_per_node`` a plain Python
     command is wrapped in ``python -m torch.distributed.run --standalone --nproc-per-node N``; a torchrun
-    line (``torchrun ...`` or ``python -m torch.distributed.run ...``) keeps its own ``--nproc-per-node``.
-    Raises :class:`CommandError` for an empty command, a program or script that does not exist, a
-    non-Python program, or a world size that disagrees with the torchrun line's.
+    line (``torchrun ...`` or ``python -m torch.distributed.run ...``) keeps its own ``--nproc-per-node``, an
+    ``accelerate launch`` line (or ``python -m accelerate.commands.launch``; Accelerate runs torchrun's agent in its
+    own process) its ``--num_processes`` (all machines' processes); both are launcher lines (``is_torchrun``: only
+    the processes they start are ranks). Raises :class:`CommandError` for an empty command, a program or script
+    that does not exist, a non-Python program, or a world size that disagrees with the launcher line's.
     """
     argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
     if not argv:
@@ -63,12 +67,13 @@ def plan_command(command: Sequence[str] | str, world_size: int | None = None,
     elif shutil.which(prog) is None:
         raise CommandError(f"command not found: {prog}")
     is_torchrun = Path(argv[0]).name in ("torchrun",) or _module_of(argv) in TORCHRUN_MODULES
-    if is_torchrun:
+    if is_torchrun or _is_accelerate_launch(argv):
         own = _torchrun_nproc(argv)
+        flag = "--num_processes" if _is_accelerate_launch(argv) else "--nproc-per-node"
         if n is not None and own is not None and own != n:
-            raise CommandError(f"world size {n} disagrees with the torchrun line's --nproc-per-node {own}")
+            raise CommandError(f"world size {n} disagrees with the launcher line's {flag} {own}")
         if own is None and n is not None:
-            argv = argv[:_torchrun_args_start(argv)] + [f"--nproc-per-node={n}"] + argv[_torchrun_args_start(argv):]
+            argv = argv[:_torchrun_args_start(argv)] + [f"{flag}={n}"] + argv[_torchrun_args_start(argv):]
         return argv, own or n or 1, True
     if not _is_python(argv[0]):
         raise CommandError(f"{prog} is not a Python program: give a script, python -m MODULE, or a torchrun line")
@@ -91,28 +96,47 @@ def _module_of(argv: list[str]) -> str | None:
     return argv[2] if len(argv) > 2 and argv[1] == "-m" else None
 
 
+def _is_accelerate_launch(argv: list[str]) -> bool:
+    """``accelerate launch ...`` or ``python -m accelerate.commands.launch ...``."""
+    return (Path(argv[0]).name == "accelerate" and len(argv) > 1 and argv[1] == "launch") or \
+        _module_of(argv) == ACCELERATE_MODULE
+
+
 def _torchrun_args_start(argv: list[str]) -> int:
-    return 3 if _module_of(argv) in TORCHRUN_MODULES else 1
+    """Where a launcher line's own options begin (after ``torchrun``, ``python -m MODULE``, ``accelerate launch``)."""
+    return 3 if _module_of(argv) in (*TORCHRUN_MODULES, ACCELERATE_MODULE) else 2 if _is_accelerate_launch(argv) else 1
 
 
 def _torchrun_nproc(argv: list[str], per_node: bool = False) -> int | None:
     """The ``--nproc-per-node`` of a torchrun line (times ``--nnodes`` when a fixed integer, unless
-    ``per_node``: the ranks of this machine)."""
+    ``per_node``: the ranks of this machine); of an ``accelerate launch`` line its ``--num_processes`` (every
+    machine's: divided by ``--num_machines`` when ``per_node``)."""
+    if _is_accelerate_launch(argv):
+        keys, machines = ("--num_processes", "--num-processes"), ("--num_machines", "--num-machines")
+    else:
+        keys, machines = ("--nproc-per-node", "--nproc_per_node"), ("--nnodes",)
     nproc, nnodes = None, 1
     for i, a in enumerate(argv):
         key, _, val = a.partition("=")
-        if key in ("--nproc-per-node", "--nproc_per_node", "--nnodes"):
+        if key in keys or key in machines:
             val = val or (argv[i + 1] if i + 1 < len(argv) else "")
-            if key == "--nnodes":
+            if key in machines:
                 nnodes = int(val) if val.isdigit() else 1
             elif val.isdigit():
                 nproc = int(val)
     if nproc is None:
         return None
+    if _is_accelerate_launch(argv):
+        return max(nproc // nnodes, 1) if per_node else nproc
     return nproc if per_node else nproc * nnodes
 
 
 TORCHRUN_FLAGS = ("--standalone", "--no-python", "--no_python", "--run-path", "--run_path")  # take no value
+# accelerate launch's options without a value (accelerate/commands/launch.py: action="store_true")
+ACCELERATE_FLAGS = ("--cpu", "--multi_gpu", "--tpu", "--use_deepspeed", "--use_fsdp", "--use_megatron_lm", "--debug",
+                    "--quiet", "-q", "--same_network", "--enable_cpu_affinity", "--dynamo_use_fullgraph",
+                    "--dynamo_use_dynamic", "--dynamo_use_regional_compilation", "--use_parallelism_config",
+                    "--tpu_cluster", "--tpu_use_sudo", "--downcast_bf16", "--fp8_use_autocast_during_eval")
 
 
 def default_id(command: Sequence[str] | str, world_size: int = 1) -> str:
@@ -128,11 +152,13 @@ def default_id(command: Sequence[str] | str, world_size: int = 1) -> str:
     i = 0
     if argv and not argv[0].endswith(".py") and (_is_python(argv[0]) or Path(argv[0]).name == "torchrun"):
         i = 1
+    elif argv and _is_accelerate_launch(argv):
+        i = 2
     program = None
     while i < len(argv):
         a = argv[i]
         if a in ("-m", "--module") and i + 1 < len(argv):
-            if argv[i + 1] in TORCHRUN_MODULES:  # python -m torch.distributed.run: its options follow
+            if argv[i + 1] in (*TORCHRUN_MODULES, ACCELERATE_MODULE):  # a launcher: its options follow
                 i += 2
                 continue
             program = argv[i + 1]
@@ -143,7 +169,7 @@ def default_id(command: Sequence[str] | str, world_size: int = 1) -> str:
             program = "python-c-" + hashlib.sha1(argv[i + 1].encode()).hexdigest()[:8]
             break
         if a.startswith("-"):  # an interpreter or torchrun option; a separate value follows unless =, a flag
-            i += 1 if ("=" in a or a in TORCHRUN_FLAGS or not a.startswith("--")) else 2
+            i += 1 if ("=" in a or a in TORCHRUN_FLAGS + ACCELERATE_FLAGS or not a.startswith("--")) else 2
             continue
         program = _shown_path(a)
         break
@@ -287,6 +313,9 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
         run_env["RLHFMEM_RECORDER_LIBRARY"] = library
     if device in SIMULATED_DEVICES:
         run_env["RLHFMEM_SIM_CUDA_LIBRARY"] = sim_cuda_library()
+        # one simulated device per rank of this machine, seen by the launcher's own process too (accelerate launch
+        # picks its multi-GPU launcher from torch.cuda.device_count())
+        run_env[ENV_SIM_DEVICES] = str((_torchrun_nproc(argv, per_node=True) or n) if is_torchrun else n)
         if is_torchrun:  # its process groups: built once here, not in every rank (a single process builds its own)
             run_env[ENV_SIM_DIST_LIBRARY] = sim_dist_library()
     log_path = work / "command.log"
@@ -326,7 +355,8 @@ def _with_log_dir(argv: list[str], work: Path) -> list[str]:
     if any(a.partition("=")[0] in ("--log-dir", "--log_dir") for a in argv):
         return argv
     i = _torchrun_args_start(argv)
-    return [*argv[:i], f"--log-dir={work / TORCHRUN_LOG_DIR}", *argv[i:]]
+    flag = "--log_dir" if _is_accelerate_launch(argv) else "--log-dir"  # accelerate launch passes it to torchrun
+    return [*argv[:i], f"{flag}={work / TORCHRUN_LOG_DIR}", *argv[i:]]
 
 
 def _last_line(path: Path) -> str:

@@ -35,6 +35,9 @@ from .streams import DEFAULT_STREAM, Event, Stream, current_stream_of, device_st
 
 TOTAL_MEMORY = 24 * 2**30  # an RTX 3090's (sm_86): the GPU of the study and of shared/snapshots
 DEVICE_NAME = "rlhfmem simulated CUDA device (RTX 3090 geometry)"
+# the machine's device count where no $LOCAL_WORLD_SIZE says it (a launcher's own process: torchrun's agent,
+# accelerate launch): the ranks per machine of the capture (command/run.py sets it)
+ENV_DEVICES = "RLHFMEM_SIM_CUDA_DEVICES"
 
 
 class ScalarSites:
@@ -92,7 +95,8 @@ SCALAR_SITES = ScalarSites()
 
 def device_selection(torch: Any) -> dict[str, Callable]:
     """``torch.cuda``'s device selection on the simulated device: one device per local rank, as torchrun gives each
-    rank a GPU of its own (``device_count()`` is ``$LOCAL_WORLD_SIZE``, 1 without it), and the current device is the
+    rank a GPU of its own (``device_count()`` is ``$LOCAL_WORLD_SIZE``, else :data:`ENV_DEVICES`, else 1: a launcher's
+    process sees the machine's devices), and the current device is the
     device guard's (per thread, as ``cudaSetDevice``; ``csrc/cuda_hooks.h``), where new tensors land. ``set_device``
     of an index at or above the count raises ``RuntimeError`` ("invalid device ordinal", as CUDA does); a negative
     index is a no-op (``torch/cuda/__init__.py: set_device``). Also ``torch.cuda.device(i)``'s exchange."""
@@ -101,7 +105,7 @@ def device_selection(torch: Any) -> dict[str, Callable]:
     set_index = getattr(torch._C, "_accelerator_setDeviceIndex", lambda index: None)
 
     def device_count() -> int:
-        return int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get(ENV_DEVICES) or 1)
 
     def current_device() -> int:
         return get_index()

@@ -474,6 +474,11 @@ void sync_mutated(Mapping& m) {
     size_t want = meta.storage().nbytes();
     if (want > cuda.storage().nbytes()) {
       auto dp = g_allocator.allocate(want);
+      // the old contents move too (values on), as resize_bytes_cuda copies them (aten/src/ATen/native/cuda/
+      // Resize.cpp): all_gather_object resizes its pickled bytes to the largest rank's size
+      const void* old = cuda.storage().data_ptr().get();
+      if (old != nullptr && g_values.load(std::memory_order_relaxed))
+        std::memcpy(dp.get(), old, cuda.storage().nbytes());
       cuda.storage().set_data_ptr_noswap(std::move(dp));
       cuda.storage().set_nbytes(want);
     }

@@ -140,8 +140,8 @@ if nccl:
           torch.cat([full(4, r + 10 * i) for i in range(2) for r in range(world)]))
 
 objs = [None] * world
-dist.all_gather_object(objs, {"rank": rank})
-assert objs == [{"rank": r} for r in range(world)], objs
+dist.all_gather_object(objs, {"rank": rank, "pad": "x" * 100 * rank})  # unequal sizes: resize_ keeps the bytes
+assert objs == [{"rank": r, "pad": "x" * 100 * r} for r in range(world)], objs
 ran.append("all_gather_object")
 
 dist.barrier()

@@ -523,6 +523,24 @@ bool has_cpu_kernel(const c10::OperatorHandle& op) {
   return false;
 }
 
+// Arguments whose dtype the device (a CUDA kernel's meta) and the CPU kernel choose differently, in the CPU kernel's:
+// native_layer_norm keeps its mean and rstd in fp32 for a bf16/fp16 input on CUDA (layer_norm_kernel.cu: acc type, as
+// the meta kernel says), in the input's dtype on CPU unless the weight is fp32 (layer_norm_kernel.cpp:
+// param_scalar_type), and its CPU backward refuses the other ("expected scalar type BFloat16 but found Float").
+void cpu_kernel_dtypes(const c10::FunctionSchema& schema, torch::jit::Stack& host) {
+  if (schema.name() != "aten::native_layer_norm_backward" || host.size() < 6) return;
+  const at::Tensor& input = host[1].toTensor();
+  const bool reduced = input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf;
+  bool mixed = false;
+  for (size_t i : {size_t(5), size_t(6)})
+    if (i < host.size() && host[i].isTensor() && host[i].toTensor().defined())
+      mixed = mixed || (reduced && host[i].toTensor().scalar_type() == at::kFloat);
+  const at::ScalarType stats = mixed ? at::kFloat : input.scalar_type();
+  for (size_t i : {size_t(3), size_t(4)})
+    if (host[i].isTensor() && host[i].toTensor().defined() && host[i].toTensor().scalar_type() != stats)
+      host[i] = host[i].toTensor().to(stats);
+}
+
 // Run `op`'s CPU kernel on host views of `args` (the device arguments as called, after the meta kernel resized
 // any); returns its outputs, none for an op without a CPU kernel (counted). The CPU kernel writes in-place and
 // out= results straight into the device memory; its own errors are the program's (an index out of range
@@ -536,6 +554,7 @@ torch::jit::Stack host_run(const c10::OperatorHandle& op, const std::vector<c10:
   }
   host.reserve(args.size());
   for (const c10::IValue& a : args) host.push_back(to_host(a, h));
+  cpu_kernel_dtypes(op.schema(), host);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &host);
   return host;
 }

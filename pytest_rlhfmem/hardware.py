@@ -34,8 +34,9 @@ def detect_cuda_devices() -> list[CudaDevice]:
         return []
     if not torch.cuda.is_available():
         return []
-    return [CudaDevice(torch.cuda.get_device_name(i), torch.cuda.get_device_properties(i).total_memory)
-            for i in range(torch.cuda.device_count())]
+    count = torch.cuda.device_count()  # hardware-only: the devices a CUDA driver enumerates (a CPU build has none)
+    props = [torch.cuda.get_device_properties(i) for i in range(count)]  # hardware-only: as above
+    return [CudaDevice(p.name, p.total_memory) for p in props]  # hardware-only: as above
 
 
 def cuda_device_count() -> int:

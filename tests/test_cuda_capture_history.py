@@ -357,3 +357,58 @@ def test_the_cuda_recorder_runs_its_path_end_to_end_with_stand_ins(monkeypatch):
     flushes = [e.name for e in trace.events if e.action == FLUSH]
     assert len(flushes) == 1 and flushes[0].startswith("empty_cache@test_cuda_capture_history.py")
     assert torch.cuda.memory._record_memory_history is memory._record_memory_history  # restored
+
+
+# -- the program's calls at their edges (the GPU route's report: tests/gpu_route.py) -------------------------------
+
+def test_a_wrong_call_of_the_program_raises_as_its_torch_would_and_clear_history_empties_its_windows():
+    memory = StandInMemory()
+    history = mc.CudaHistory(memory, 1000, None, memory.record_function)
+    history.start()
+    history.intercept()
+    with pytest.raises(TypeError):
+        memory._record_memory_history("all", no_such_argument=1)
+    with pytest.raises(TypeError):
+        memory._record_memory_history(True, trace_alloc_max_entries=10, no_such_argument=1)
+    memory._record_memory_history(max_entries=10)
+    memory.alloc(0x1000, 512)
+    memory._record_memory_history(max_entries=10, clear_history=True)  # its earlier window is gone
+    memory.alloc(0x2000, 512)
+    assert [e["addr"] for e in memory._snapshot()["device_traces"][0]] == [0x2000]
+    history.intercept()  # a second interception changes nothing
+    assert memory._record_memory_history == history.user_record
+    history.stop()
+
+
+def test_a_torch_without_signatures_or_counters_still_records():
+    """A ``_record_memory_history`` whose signature cannot be read (a builtin) gets every keyword; one without the
+    legacy function reads the legacy call's keywords alone; statistics that raise leave the wrap check to the
+    ring buffer's size; marks without record_function, or whose record_function raises, keep their wall-clock
+    time."""
+    memory = StandInMemory()
+    calls = []
+    memory._record_memory_history = lambda **kw: calls.append(kw)  # noqa: E731
+    memory._record_memory_history.__signature__ = "unreadable"  # inspect.signature refuses it (TypeError)
+    del memory._record_memory_history_legacy
+    memory.memory_stats = lambda device=None: 1 / 0
+    history = mc.CudaHistory(memory, 1000, None, None)
+    history.start()
+    assert calls == [{"enabled": "all", "context": None, "stacks": "python", "max_entries": 1000}]
+    assert history.allocs_at_start is None
+    history.mark("rlhfmem::cuda_mark::0")  # no record_function: nothing, no error
+    history.intercept()
+    memory._record_memory_history(True, trace_alloc_max_entries=2000)
+    assert calls[-1]["max_entries"] == 2000  # read from the legacy call's keywords
+
+    def failing(name):
+        raise RuntimeError("no profiler here")
+
+    history.record_function = failing
+    history.mark("rlhfmem::cuda_mark::1")  # the mark keeps its wall-clock time
+
+
+def test_an_annotation_that_is_not_one_of_our_marks_is_ignored():
+    marks = [("phase", 100, "generate")]
+    snap = {"external_annotations": [{"name": f"{mc.CUDA_MARK}x", "stage": "START", "time_us": 5},
+                                     {"name": f"{mc.CUDA_MARK}0", "stage": "START", "time_us": 7}]}
+    assert mc.mark_times(snap, marks) == ([7], "allocator clock (external_annotations)")

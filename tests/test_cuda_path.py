@@ -72,3 +72,72 @@ def test_auto_device_takes_cuda_whenever_enough_devices(monkeypatch, available, 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     assert launch.resolve_device("auto", world) == expected
     assert launch.resolve_device("cpu", world) == "cpu"
+
+
+# -- the GPU route's edges (tests/gpu_route.py's report) --------------------------------------------------------
+
+def test_the_profile_of_cuda_devices_names_the_card_and_the_count():
+    from pytest_rlhfmem.hardware import CudaDevice, profile_name
+
+    assert profile_name([]) == "cpu"
+    assert profile_name([CudaDevice("NVIDIA A100-SXM4-80GB", 80 * 2**30)] * 4) == "cuda-nvidia-a100-sxm4-80gb-x4"
+
+
+def test_without_torch_there_is_no_cuda_device(monkeypatch):
+    import sys
+
+    from pytest_rlhfmem.hardware import cuda_device_count, detect_cuda_devices
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert detect_cuda_devices() == [] and cuda_device_count() == 0
+    assert launch.no_cuda_device().startswith("no CUDA device here (torch is not installed); run on device cpu")
+
+
+def test_an_unknown_device_and_a_cuda_build_without_a_gpu_are_named(monkeypatch):
+    import torch
+
+    with pytest.raises(launch.ScenarioError, match=r"^unknown device 'tpu'; valid: auto, cpu, cuda, cuda-rehearsal$"):
+        launch.resolve_device("tpu", 1)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "(torch.cuda.is_available() is False; CUDA_VISIBLE_DEVICES='')" in launch.no_cuda_device()
+
+
+def test_a_simulated_device_that_cannot_be_built_is_one_line(monkeypatch):
+    from pytest_rlhfmem.simcuda import build
+
+    def no_compiler(source):
+        raise build.FakeCudaUnavailable("g++ not found")
+
+    monkeypatch.setattr(build, "library_path", no_compiler)
+    with pytest.raises(launch.ScenarioError) as e:
+        launch._sim_cuda_library()
+    assert str(e.value) == "device cuda-rehearsal: the simulated CUDA device: g++ not found"
+
+
+def test_a_rank_without_a_cuda_device_of_its_own_is_refused():
+    from pytest_rlhfmem.command.rank import _start_cuda
+
+    with pytest.raises(RuntimeError, match=r"local rank 3 has no CUDA device of its own \(0 visible\)"):
+        _start_cuda(3)  # a CPU build of torch: no device at all
+
+
+def test_peaks_that_cannot_be_read_leave_the_progress_file_without_them(monkeypatch):
+    import torch
+
+    from pytest_rlhfmem.record.rank import _cuda_peaks
+
+    def not_initialised(device=None):
+        raise RuntimeError("CUDA driver not initialised")
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", not_initialised)
+    assert _cuda_peaks() == {}
+
+
+def test_every_unit_of_the_gpu_route_exists_and_its_hardware_only_lines_say_why():
+    import gpu_route
+
+    units = gpu_route.units()  # LookupError naming a unit that was renamed or removed
+    assert len(units) == len(gpu_route.ROUTE) and all(u.lines for u in units)
+    marked = {(f, n): why for f in gpu_route.ROUTE_FILES for n, why in gpu_route.hardware_only(f).items()}
+    assert marked and all(why for why in marked.values())  # each names its reason

@@ -37,10 +37,11 @@ def figures(rank: dict) -> dict:
 
 
 def capture(tmp_path: Path, script: str, *args: str, device: str, values: str = "off", env: dict | None = None,
-            world_size: int | None = None) -> dict:
+            world_size: int | None = None, snapshot_dir: Path | None = None) -> dict:
     work = tmp_path / device
     result = run_command([sys.executable, str(COMMANDS / script), *args], f"{Path(script).stem}", device=device,
-                         work_dir=work, timeout=600, sim_values=values, env=env, world_size=world_size)
+                         work_dir=work, timeout=600, sim_values=values, env=env, world_size=world_size,
+                         snapshot_dir=snapshot_dir)
     assert result["status"] == "ok", result.get("failure") or Path(result["log"]).read_text()[-3000:]
     finish_work(result)
     return result
@@ -59,13 +60,16 @@ COMMAND_CASES = [
 
 @pytest.mark.parametrize("script, args, values", COMMAND_CASES)
 def test_a_command_rehearsed_gives_the_cuda_sim_figures_to_the_byte(tmp_path, script, args, values):
-    sim = capture(tmp_path, script, *args, device="cuda-sim", values=values)
-    reh = capture(tmp_path, script, *args, device=REHEARSAL, values=values)
+    sim = capture(tmp_path, script, *args, device="cuda-sim", values=values, snapshot_dir=tmp_path / "sim-snapshots")
+    reh = capture(tmp_path, script, *args, device=REHEARSAL, values=values, snapshot_dir=tmp_path / "snapshots")
     assert figures(reh["ranks"][0]) == figures(sim["ranks"][0])
     assert reh["capture"] == "cuda-rehearsal-simulated" and reh["simulated"] is True and reh["device"] == REHEARSAL
     rank = reh["ranks"][0]
     assert rank["capture_backend"] == "torch.cuda.memory._record_memory_history"  # the CUDA recorder ran
     assert rank["cuda_history"]["mark_clock"] == "allocator clock (external_annotations)"
+    snap = load_snapshot(rank["snapshot"])  # the device's own history, as a GPU's snapshot is the allocator's own
+    assert snap["allocator_settings"]["rlhfmem_note"].startswith("simulated: the CUDA route's memory history")
+    assert snap["allocator_settings"]["rlhfmem_capture"] == "cuda-rehearsal-simulated"
 
 
 def test_the_programs_own_history_and_snapshot_on_the_rehearsal(tmp_path):

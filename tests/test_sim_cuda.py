@@ -227,5 +227,6 @@ def test_sdpa_choice_needs_the_simulated_device(capsys):
     from pytest_rlhfmem.cli import main
 
     assert main(["capture", "--device", "cpu", "--sdpa", "efficient", "--", "python", "-c", "pass"]) == 2
-    assert "--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim or cuda-rehearsal, got " \
+    assert "--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim or " \
+           "cuda-rehearsal, got " \
            "--device cpu" in capsys.readouterr().err

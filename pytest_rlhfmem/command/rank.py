@@ -73,18 +73,7 @@ def start_command_capture() -> None:
         extra = lambda: {"scalar_answers": SCALAR_SITES.sites,  # noqa: E731 - file:line names: not compared
                          **({"collectives": collective_counts()} if collective_counts() else {})}
     if code_device(device) == "cuda":  # the CUDA route (on a GPU, or rehearsed on the simulated device)
-        import torch
-
-        # CUDA state first (torch.cuda.init), on this rank's device: the caching allocator must exist
-        # before memory history is switched on, and the context must not land on device 0 for every rank.
-        # One device per rank (run.py refuses more ranks than devices before starting any): never two
-        # NCCL ranks on one GPU.
-        local_rank = int(env.get("LOCAL_RANK", "0"))
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"rlhfmem capture: local rank {local_rank} has no CUDA device of its own "
-                               f"({torch.cuda.device_count()} visible): run at most that many ranks per machine")
-        torch.cuda.set_device(local_rank)
-        torch.cuda.init()
+        _start_cuda(int(env.get("LOCAL_RANK", "0")))
     world_size = int(env.get("WORLD_SIZE", env.get(ENV_WORLD_SIZE, "1")))
     ident = CommandIdentity(env.get(ENV_ID, "command"), tuple(json.loads(env.get(ENV_COMMAND, "[]"))), world_size)
     cap = RankCapture(ident, device, Path(out), rank, world_size, root=ROOT_PHASE,
@@ -94,6 +83,20 @@ def start_command_capture() -> None:
     cap.start()
     _command_capture = cap
     _install_exit_hooks(cap)
+
+
+def _start_cuda(local_rank: int) -> None:
+    """CUDA state first (``torch.cuda.init``), on this rank's device: the caching allocator must exist before memory
+    history is switched on, and the context must not land on device 0 for every rank. One device per rank (run.py
+    refuses more ranks than devices before starting any): never two NCCL ranks on one GPU. Raises
+    ``RuntimeError`` for a local rank without a device of its own."""
+    import torch
+
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"rlhfmem capture: local rank {local_rank} has no CUDA device of its own "
+                           f"({torch.cuda.device_count()} visible): run at most that many ranks per machine")
+    torch.cuda.set_device(local_rank)
+    torch.cuda.init()
 
 
 def _install_exit_hooks(cap: RankCapture) -> None:

@@ -190,6 +190,20 @@ def _has_host_allocator_stats() -> bool:
     return hasattr(torch.cuda, "host_memory_stats") and hasattr(torch.cuda, "reset_peak_host_memory_stats")
 
 
+def cuda_pinned_peak() -> int:
+    """CUDA: the pinned host allocator's peak (bytes): ``torch.cuda.host_memory_stats()["allocated_bytes.peak"]``."""
+    import torch
+
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0))
+
+
+def reset_cuda_pinned_peak() -> None:
+    """CUDA: ``torch.cuda.reset_peak_host_memory_stats()`` (a phase's pinned peak starts here)."""
+    import torch
+
+    torch.cuda.reset_peak_host_memory_stats()
+
+
 def _reset_hwm() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -408,17 +422,13 @@ class HostMemory:
 
     def _read_pinned_peak(self) -> int:
         if self._cuda_stats:
-            import torch
-
-            return int(torch.cuda.host_memory_stats().get("allocated_bytes.peak", 0))
+            return cuda_pinned_peak()
         self._phase_pinned = max(self._phase_pinned, self._offloaded_live())
         return self._phase_pinned
 
     def _reset_pinned_peak(self) -> None:
         if self._cuda_stats:
-            import torch
-
-            torch.cuda.reset_peak_host_memory_stats()
+            reset_cuda_pinned_peak()
         else:
             self._phase_pinned = self._offloaded_live()
 

@@ -162,14 +162,7 @@ class RankCapture:
           file is written regardless), naming it in ``device_figures_error``."""
         prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
         if code_device(self.device) == "cuda":
-            try:
-                import torch
-
-                stats = torch.cuda.memory_stats()
-                prog |= {"peak_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
-                         "peak_allocated": int(stats.get("allocated_bytes.all.peak", 0))}
-            except (ImportError, RuntimeError):
-                pass
+            prog |= _cuda_peaks()
         elif self.rec is not None and self.capture:
             try:
                 so_far = self.rec.figures_so_far()
@@ -288,6 +281,19 @@ class RankCapture:
             result["snapshot"] = str(_write_snapshot(trace, self.snapshot_dir, self.identity.id, self.rank))
         _write_json(self.out_dir / f"result-rank{self.rank}.json", result)
         return result
+
+
+def _cuda_peaks() -> dict:
+    """CUDA: the caching allocator's peaks so far (bytes, measured; never reset by the recorder), or ``{}`` where
+    they cannot be read (CUDA not initialised yet)."""
+    try:
+        import torch
+
+        stats = torch.cuda.memory_stats()
+    except (ImportError, RuntimeError):
+        return {}
+    return {"peak_reserved": int(stats.get("reserved_bytes.all.peak", 0)),
+            "peak_allocated": int(stats.get("allocated_bytes.all.peak", 0))}
 
 
 def merge_windows(windows: list[dict], records: list, root: str | None, wall_s: float) -> list[dict]:

@@ -140,14 +140,7 @@ class Recorder:
             self.backend = "none"
             return
         if self.device == "cuda":
-            import torch
-            from torch.autograd.profiler import record_function
-
-            self.max_entries, self.history_context = history_settings(self.max_entries, self.history_context)
-            self.history = CudaHistory(torch.cuda.memory, self.max_entries, self.history_context, record_function,
-                                       device=torch.cuda.current_device())
-            self.history.start()
-            self.backend = "torch.cuda.memory._record_memory_history"
+            self._start_cuda()
         elif self.row_source is not None:  # the simulated CUDA device: CUDA's code paths, no emulation
             self._ext = self.row_source
             self.backend = getattr(self.row_source, "backend", "row source")
@@ -191,10 +184,7 @@ class Recorder:
             return
         if self.device == "cuda":
             if kind in (PHASE, PHASE_END, FLUSH):
-                k = len(self._phase_marks_us)
-                self._phase_marks_us.append((kind, time.time_ns() // 1000, str(payload)))
-                if self.history is not None:  # the same mark on the allocator's clock
-                    self.history.mark(f"{CUDA_MARK}{k}")
+                self._mark_cuda(kind, str(payload))
             return
         k = len(self._marks)
         self._marks.append((kind, payload))
@@ -234,10 +224,7 @@ class Recorder:
             self.host.begin_phase(name)
         cuda_stats = self.device == "cuda" and not nested
         if cuda_stats:
-            import torch
-
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_stats()  # counters only: the program's peak counters are left alone
+            before = _cuda_memory_stats()  # counters only: the program's peak counters are left alone
         self._mark(PHASE, name)
         self.error_phase = None  # a phase began: an exception seen before was handled
         t0 = time.perf_counter()
@@ -248,10 +235,7 @@ class Recorder:
             raise
         finally:
             if cuda_stats and not rec.nested:
-                import torch
-
-                torch.cuda.synchronize()
-                rec.cuda_stats = cuda_phase_counters(before, torch.cuda.memory_stats())
+                rec.cuda_stats = cuda_phase_counters(before, _cuda_memory_stats())
             rec.wall_s += time.perf_counter() - t0
             self._mark(PHASE_END, name)
             if self.host is not None:
@@ -266,13 +250,7 @@ class Recorder:
     def flush(self, point: str) -> None:
         """The flush policy's ``torch.cuda.empty_cache()``: real on CUDA, a FLUSH event on CPU."""
         if self.device == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            (self._empty_cache or torch.cuda.empty_cache)()
-            torch.cuda.synchronize()
-            self.flush_times.append((point, time.perf_counter() - t0))  # measured: the cudaFree calls' cost
+            self._flush_cuda(point)
         elif self.row_source is not None and hasattr(self.row_source, "flush_sync"):
             self.row_source.flush_sync()  # the simulated device: empty_cache's wait for every stream first
         self._mark(FLUSH, point)
@@ -493,6 +471,35 @@ class Recorder:
         return so_far.figures()
 
     # -- CUDA -------------------------------------------------------------------------------------
+    def _start_cuda(self) -> None:
+        """The memory history on the rank's device, before the first model is built (:class:`CudaHistory`)."""
+        import torch
+        from torch.autograd.profiler import record_function
+
+        self.max_entries, self.history_context = history_settings(self.max_entries, self.history_context)
+        self.history = CudaHistory(torch.cuda.memory, self.max_entries, self.history_context, record_function,
+                                   device=torch.cuda.current_device())
+        self.history.start()
+        self.backend = "torch.cuda.memory._record_memory_history"
+
+    def _mark_cuda(self, kind: str, name: str) -> None:
+        """A phase or flush mark: its wall-clock time, and the same mark on the allocator's clock (an annotation)."""
+        k = len(self._phase_marks_us)
+        self._phase_marks_us.append((kind, time.time_ns() // 1000, name))
+        if self.history is not None:
+            self.history.mark(f"{CUDA_MARK}{k}")
+
+    def _flush_cuda(self, point: str) -> None:
+        """The policy's ``empty_cache()``, the original one (the program's are intercepted: one FLUSH mark per
+        flush), between two synchronizations; its seconds are measured (the cudaFree calls' cost)."""
+        import torch
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        (self._empty_cache or torch.cuda.empty_cache)()
+        torch.cuda.synchronize()
+        self.flush_times.append((point, time.perf_counter() - t0))
+
     def intercept_history(self) -> None:
         """CUDA: serve the program's own ``torch.cuda.memory._record_memory_history``/``_snapshot`` calls from
         our recording (:class:`CudaHistory`), so they can neither stop nor resize it; ``stop()`` restores them."""
@@ -723,6 +730,14 @@ def cuda_trace_with_marks(snap: dict, marks: list[tuple[str, int, str]], device:
     return trace
 
 
+def _cuda_memory_stats() -> dict:
+    """``torch.cuda.memory_stats()`` once the device's work so far is done (a phase's start or end)."""
+    import torch
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()
+
+
 def cuda_phase_counters(before: dict, after: dict) -> dict:
     """One phase's allocator counters from two ``torch.cuda.memory_stats()`` dicts: cudaMalloc/cudaFree
     calls, allocation retries and OOMs during the phase (counts). No peaks: the recorder never calls
@@ -850,6 +865,18 @@ def mark_times(snap: dict, marks: list[tuple[str, int, str]]) -> tuple[list[int]
 _CONTEXT_RANK = {None: 0, "state": 1, "alloc": 2, "all": 3}
 
 
+def _bound(fn: Callable | None, args: tuple, kwargs: dict) -> dict:
+    """``fn``'s arguments as its signature binds them (defaults applied); only the keywords where it has no
+    signature to read (a torch without the function, a builtin). Raises ``TypeError`` where it would."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+    b = sig.bind(*args, **kwargs)
+    b.apply_defaults()
+    return dict(b.arguments)
+
+
 class CudaHistory:
     """The rank's memory history on the real CUDA allocator, and the program's own history calls served
     from it.
@@ -949,27 +976,16 @@ class CudaHistory:
         self._real = {}
 
     def _bind(self, enabled: object, args: tuple, kwargs: dict) -> tuple[bool, str | None, str, int, bool]:
-        """The program's call as (on, context, stacks, max_entries, clear_history), legacy form included."""
+        """The program's call as (on, context, stacks, max_entries, clear_history), legacy form included. Raises
+        ``TypeError`` for arguments the program's torch would refuse (its own function's signature)."""
         if isinstance(enabled, bool):  # _record_memory_history_legacy's arguments
-            legacy = getattr(self.memory, "_record_memory_history_legacy", None)
-            try:
-                b = inspect.signature(legacy).bind(enabled, *args, **kwargs)
-                b.apply_defaults()
-                a = dict(b.arguments)
-            except (TypeError, ValueError):
-                a = dict(kwargs)
+            a = _bound(getattr(self.memory, "_record_memory_history_legacy", None), (enabled, *args), kwargs)
             context = ("alloc" if a.get("trace_alloc_record_context") else "state" if a.get("record_context", True)
                        else None)
             stacks = "all" if a.get("record_context_cpp") else "python"
             n = int(a.get("trace_alloc_max_entries", 1) or 1)
             return enabled, context, stacks, n, bool(a.get("clear_history", False))
-        real = self._real.get("_record_memory_history")
-        try:
-            b = inspect.signature(real).bind(enabled, *args, **kwargs)
-            b.apply_defaults()
-            a = dict(b.arguments)
-        except (TypeError, ValueError):
-            a = {"enabled": enabled, **kwargs}
+        a = {"enabled": enabled} | _bound(self._real.get("_record_memory_history"), (enabled, *args), kwargs)
         on = a.get("enabled") not in (None, False)
         n = int(a.get("max_entries", sys.maxsize)) if a.get("enabled") == "all" else 1
         return on, a.get("context", "all"), a.get("stacks", "all"), n, bool(a.get("clear_history", False))

@@ -96,7 +96,18 @@ def main(argv: list[str] | None = None, extra: Callable[[], dict] | None = None)
             pass
     # Skip interpreter teardown: DeepSpeed's shm comm and gloo threads can abort at exit (SIGABRT)
     # after the work is done and written.
+    _save_coverage()
     os._exit(code)
+
+
+def _save_coverage() -> None:
+    """A rank measured by coverage.py (the tests' report of the GPU route's lines: tests/gpu_route.py) saves its data
+    before ``os._exit`` skips the interpreter's exit handlers; nothing otherwise."""
+    coverage = sys.modules.get("coverage")
+    current = coverage.Coverage.current() if coverage is not None else None
+    if current is not None:
+        current.stop()
+        current.save()
 
 
 if __name__ == "__main__":

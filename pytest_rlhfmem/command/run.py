@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -359,6 +360,16 @@ def _with_log_dir(argv: list[str], work: Path) -> list[str]:
     return [*argv[:i], f"{flag}={work / TORCHRUN_LOG_DIR}", *argv[i:]]
 
 
+# a Python exception's last line as a rank prints it, torchrun's "[rankN]: " prefix dropped
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b:?.*)$")
+
+
 def _last_line(path: Path) -> str:
+    """The output line that says why the command ended: the last exception line a process printed (a launcher's
+    own failure dump, torchrun's or Accelerate's, comes after it), else the last line."""
     lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = _EXCEPTION_LINE.match(ln)
+        if m and not m.group(1).startswith(("torch.distributed.elastic", "ChildFailedError", "subprocess.")):
+            return m.group(1)[:300]
     return lines[-1][:300] if lines else ""

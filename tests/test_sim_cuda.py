@@ -230,3 +230,13 @@ def test_sdpa_choice_needs_the_simulated_device(capsys):
     assert "--sdpa chooses the simulated CUDA device's attention kernel: it needs --device cuda-sim or " \
            "cuda-rehearsal, got " \
            "--device cpu" in capsys.readouterr().err
+
+
+def test_a_host_buffer_filled_from_the_value_free_device_reads_zeros_not_what_it_held(tmp_path):
+    """Without values the device computes nothing; a host tensor copied from it reads zeros, so host code reading it
+    decides the same on every run (DeepSpeed's overflow check of offloaded gradients skipped ZeRO-3 + offload's
+    actor step in some runs when the buffer kept whatever its memory held). With values, the device's own values."""
+    for values, expected in (("off", [0.0]), ("on", [1.0])):
+        result = capture(tmp_path / values, "cuda_copy_to_host.py", id="copy-to-host", values=values)
+        line = next(ln for ln in Path(result["log"]).read_text().splitlines() if ln.startswith("HOST "))
+        assert json.loads(line.removeprefix("HOST ")) == {"copy_": expected, "cpu": expected}

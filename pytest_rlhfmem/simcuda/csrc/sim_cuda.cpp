@@ -682,9 +682,17 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 }
 
 // A copy into, out of or within the device: the bytes move with values on (host views of the device memory;
-// conversions and broadcasting as the CPU's copy_ does them), nothing happens with values off.
+// conversions and broadcasting as the CPU's copy_ does them). With values off nothing moves, except that a host
+// tensor copied from the device reads zeros: the device computed nothing, and a host buffer left as it was would
+// hold whatever its memory held (torch.empty), so host code reading it (DeepSpeed's overflow check of offloaded
+// fp32 gradients: has_overflow_partitioned_grads_serial) would decide differently from run to run (ZeRO-3 with
+// CPU offload skipped its actor's step in some runs: 22,146 to 22,259 trace events, tiny OPT). Zeros are no
+// overflow, as the device's fixed answers are (false for a device flag read).
 at::Tensor& copy_(at::Tensor& self, const at::Tensor& src, bool) {
-  if (!g_values.load(std::memory_order_relaxed)) return self;
+  if (!g_values.load(std::memory_order_relaxed)) {
+    if (!is_cuda(self) && is_cuda(src)) self.zero_();
+    return self;
+  }
   at::Tensor dst = is_cuda(self) ? host_view(self) : self;
   dst.copy_(is_cuda(src) ? host_view(src) : src);
   return self;

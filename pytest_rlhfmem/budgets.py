@@ -42,6 +42,7 @@ writers cannot lose an entry; :func:`check_writable` refuses an unwritable or fu
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
 import tempfile
@@ -51,7 +52,7 @@ from typing import Any
 
 import yaml
 
-from .units import format_size, parse_size
+from .units import format_size, parse_size, read_file_bounded
 
 SCHEMA = 1
 DEVICE_SIZE_BUDGETS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak")
@@ -125,6 +126,10 @@ _DEFAULTS_KEYS = ("tolerances",)
 _ENTRY_KEYS = ("capture", "device", "world_size", "peak_phase", "versions", "metrics", "tolerances",
                "capture_description", "host_cpu")
 _TOL_KEYS = ("rel", "abs")
+MAX_BUDGET_FILE_BYTES = 64 * 2**20  # a budget file is read only when it is a regular file of at most this
+# An entry's fields other than metrics and tolerances: what each may hold (None is always allowed: absent).
+_ENTRY_TEXT = ("capture", "device", "peak_phase")
+_ENTRY_MAPPINGS = ("versions", "capture_description", "host_cpu")
 
 
 class BudgetError(ValueError):
@@ -173,9 +178,11 @@ def _parse_tolerance(path: Path, where: str, metric: str, d: Any, base: Toleranc
     _unknown(path, f"{where}.{metric}", d, _TOL_KEYS)
     rel, ab = base.rel, base.abs
     if "rel" in d:
-        if isinstance(d["rel"], bool) or not isinstance(d["rel"], (int, float)) or d["rel"] < 0:
-            raise _err(path, f"{where}.{metric}.rel", f"must be a number >= 0, got {d['rel']!r}")
-        rel = float(d["rel"])
+        r = d["rel"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+            raise _err(path, f"{where}.{metric}.rel", f"must be a number >= 0 (finite; a fraction: 0.01 is 1%), "
+                       f"got {r!r}")
+        rel = float(r)
     if "abs" in d:
         v = d["abs"]
         if metric in SIZE_BUDGETS:
@@ -218,31 +225,77 @@ def _refuse_duplicate_keys(path: Path, node: Any, where: str = "top level") -> N
             _refuse_duplicate_keys(path, v, where)
 
 
-def _parse_yaml(p: Path, text: str) -> Any:
-    """``text`` as YAML (libyaml's parser where built), a key given twice refused; ``None`` for no document."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser where built
+
+
+def _refuse_anchors(p: Path, text: str) -> None:
+    """An anchor (``&a``) or alias (``*a``) in a budget file, refused before anything is built from it: aliases
+    nest (a 424-byte file of nine nested aliases stands for 9**9 values, which any walk over it expands) and can
+    refer to themselves; the tool never writes them (``_Dumper``). One pass over the parser's events."""
+    loader = _Loader(text)
     try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _refuse_duplicate_keys(p, node)
-        return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f"line {mark.line + 1}" if mark else "?"
-        raise _err(p, at, f"not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        while loader.check_event():
+            ev = loader.get_event()
+            if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
+                kind = f"alias *{ev.anchor}" if isinstance(ev, yaml.AliasEvent) else f"anchor &{ev.anchor}"
+                raise _err(p, f"line {ev.start_mark.line + 1}", f"YAML {kind}: budget files hold no anchors or "
+                           "aliases (write the value out)")
     finally:
         loader.dispose()
 
 
+def safe_yaml(p: Path, text: str) -> Any:
+    """``text`` (the file ``p``) as YAML for a file a user hands the tool: safe types only, no anchor or alias
+    (:func:`_refuse_anchors`), no key given twice, no nesting deeper than Python's recursion allows; ``None`` for
+    no document. Raises :class:`BudgetError` (one line: the file, the line, what is allowed)."""
+    try:
+        _refuse_anchors(p, text)
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _refuse_duplicate_keys(p, node)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"line {mark.line + 1}" if mark else "?"
+        raise _err(p, at, f"not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except RecursionError:
+        raise _err(p, "top level", "nested too deeply to read (a budget file is a few levels of mappings)") from None
+
+
+
+def read_yaml_file(path: str | Path) -> Any:
+    """The regular file ``path`` (at most :data:`MAX_BUDGET_FILE_BYTES`) read by :func:`safe_yaml`. Raises
+    :class:`BudgetError`; ``FileNotFoundError`` if it does not exist."""
+    p = Path(path)
+    try:
+        data = read_file_bounded(p, MAX_BUDGET_FILE_BYTES, "YAML file")
+    except FileNotFoundError:
+        raise
+    except ValueError as exc:
+        raise BudgetError(str(exc)) from None
+    except OSError as exc:
+        raise _err(p, "top level", f"cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _err(p, "top level", f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return safe_yaml(p, text)
+
+
 def load_budget_file(path: str | Path) -> BudgetFile:
-    """Read and validate a budget file. Raises :class:`BudgetError` (file, entry, key) on any problem: an empty
-    file (damaged), a key given twice, a size without a unit or negative, an unknown key. An entry missing a
+    """Read and validate a budget file. Raises :class:`BudgetError` (file, entry, key) on any problem: not a
+    regular file or larger than :data:`MAX_BUDGET_FILE_BYTES`, an empty file (damaged), a YAML anchor or alias, a
+    key given twice, a size without a unit or negative, a tolerance that is not a finite number >= 0, a field of
+    the wrong type, an unknown key. An entry missing a
     gated metric is refused when it is checked (:func:`incomplete`), not here: an update rewrites it whole.
     ``FileNotFoundError`` if it does not exist."""
     p = Path(path)
-    text = p.read_text()
-    raw = _parse_yaml(p, text)
+    raw = read_yaml_file(p)
     if raw is None:
         raise _err(p, "top level", "the file is empty (damaged?): a budget file holds schema, profile and entries; "
                    "restore it, or delete it and write it again with --rlhfmem-update-baselines")
@@ -251,6 +304,8 @@ def load_budget_file(path: str | Path) -> BudgetFile:
     _unknown(p, "top level", raw, _TOP_KEYS)
     if "notes" in raw and not isinstance(raw["notes"], str):
         raise _err(p, "notes", "must be text")
+    if raw.get("profile") is not None and not isinstance(raw["profile"], str):
+        raise _err(p, "profile", f"must be text (a profile name such as cpu), got {raw['profile']!r}")
     if raw.get("schema", SCHEMA) != SCHEMA:
         raise _err(p, "schema", f"unsupported schema {raw.get('schema')!r}; this version reads {SCHEMA}")
     defaults = dict(DEFAULT_TOLERANCES)
@@ -258,6 +313,8 @@ def load_budget_file(path: str | Path) -> BudgetFile:
     if not isinstance(d, dict):
         raise _err(p, "defaults", "must be a mapping")
     _unknown(p, "defaults", d, _DEFAULTS_KEYS)
+    if not isinstance(d.get("tolerances") or {}, dict):
+        raise _err(p, "defaults.tolerances", "must be a mapping of metric -> {rel, abs}")
     for metric, tol in (d.get("tolerances") or {}).items():
         defaults[metric] = _parse_tolerance(p, "defaults.tolerances", metric, tol, defaults.get(metric, Tolerance()))
     entries: dict[str, BudgetEntry] = {}
@@ -266,9 +323,12 @@ def load_budget_file(path: str | Path) -> BudgetFile:
         raise _err(p, "entries", "must be a mapping of scenario id -> entry")
     for eid, e in raw_entries.items():
         where = f"entry {eid!r}"
+        if not isinstance(eid, str):
+            raise _err(p, where, "a scenario id is text")
         if not isinstance(e, dict):
             raise _err(p, where, "must be a mapping")
         _unknown(p, where, e, _ENTRY_KEYS)
+        _check_entry_fields(p, where, e)
         metrics: dict[str, int] = {}
         for m, v in (e.get("metrics") or {}).items():
             if m in REPORTED_NOT_BUDGETED:
@@ -292,6 +352,25 @@ def load_budget_file(path: str | Path) -> BudgetFile:
                 for m, t in (e.get("tolerances") or {}).items()}
         entries[eid] = BudgetEntry(eid, metrics, tols, e.get("capture"), e.get("device"), e.get("peak_phase"), e)
     return BudgetFile(p, raw.get("profile"), defaults, entries, raw)
+
+
+def _check_entry_fields(p: Path, where: str, e: dict) -> None:
+    """An entry's fields hold what they are written as (``entry_from_result``): text, a world size, mappings of
+    text keys to scalars (versions) or to anything (capture_description, host_cpu), metrics and tolerances as
+    mappings. Raises :class:`BudgetError` naming the file, the entry, the key and what is allowed."""
+    for k in _ENTRY_TEXT:
+        if e.get(k) is not None and not isinstance(e[k], str):
+            raise _err(p, f"{where}.{k}", f"must be text, got {e[k]!r}")
+    ws = e.get("world_size")
+    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
+        raise _err(p, f"{where}.world_size", f"must be an integer >= 1, got {ws!r}")
+    for k in _ENTRY_MAPPINGS + ("metrics", "tolerances"):
+        v = e.get(k)
+        if v is not None and not (isinstance(v, dict) and all(isinstance(x, str) for x in v)):
+            raise _err(p, f"{where}.{k}", f"must be a mapping with text keys, got {v!r}")
+    for name, v in (e.get("versions") or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise _err(p, f"{where}.versions.{name}", f"must be a version (text or a number), got {v!r}")
 
 
 def incomplete(path: str | Path, entry: BudgetEntry) -> str | None:

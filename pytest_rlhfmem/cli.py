@@ -10,11 +10,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import CliError
 from .units import format_size
+
+# --device-memory-gib: above 0 and at most the replay's bound (memory/replay_types.py: MAX_REPLAY_BYTES, 2**48
+# bytes; not imported here, which keeps `rlhfmem --help` free of the replay's modules)
+MAX_DEVICE_MEMORY_GIB = 2**18
+
+
+def _device_memory_gib(text: str) -> float:
+    """argparse's ``type`` for ``--device-memory-gib``: a finite number of GiB above 0 and at most 262144 (256 TiB,
+    the replay's bound); one line naming the option and the allowed range otherwise."""
+    allowed = f"a number of GiB above 0 and at most {MAX_DEVICE_MEMORY_GIB} (256 TiB)"
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
+    if not math.isfinite(v) or not 0 < v <= MAX_DEVICE_MEMORY_GIB:
+        raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: {allowed}")
+    return v
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -37,12 +56,12 @@ def _replay(args: argparse.Namespace) -> int:
         # the driver's placement is not an allocator setting: --alloc-conf keeps the trace's, --segment-placement wins
         config = allocator_config(recorded.allocator_settings, args.torch_version, args.alloc_conf,
                                   args.segment_placement, recorded.source)
-        capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
+        capacity = int(args.device_memory_gib * 2**30) if args.device_memory_gib is not None else None
         result = replay(trace, config=config, mode=args.mode, capacity=capacity, record_series=False,
                         engine=args.engine)
     except (SnapshotError, AllocatorConfigError, ReplayError, TraceFileError) as exc:
         raise CliError(str(exc)) from None
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError, OverflowError) as exc:
         # the model's own consistency checks: still one line, naming the file
         raise CliError(f"{args.snapshot}: cannot replay ({type(exc).__name__}: {exc})") from None
     rec = recorded_summary(trace)
@@ -133,6 +152,10 @@ def _address_order_spread(args: argparse.Namespace, trace, config) -> dict:  # n
 def _diff(args: argparse.Namespace) -> int:
     from .report import ReportInputError, diff, load_side, parse_threshold, to_json, to_markdown, without_flush
 
+    if args.time_spread is not None and not Path(args.time_spread).is_file():
+        what = "no such file" if not Path(args.time_spread).exists() else "not a regular file"
+        raise CliError(f"--time-spread {args.time_spread}: {what} (a time_spread.yaml: "
+                       "baselines/<profile>/time_spread.yaml, written by benchmarks/time_spread.py)")
     try:
         threshold = parse_threshold(args.threshold)
         base, head = load_side(args.base), load_side(args.head)
@@ -140,7 +163,7 @@ def _diff(args: argparse.Namespace) -> int:
             base, head = without_flush(base), without_flush(head)
         from .timing import load_spreads
 
-        d = diff(base, head, threshold, load_spreads(args.time_spread), allow_disjoint=args.allow_disjoint)
+        d = diff(base, head, threshold, load_spreads(args.time_spread, strict=True), allow_disjoint=args.allow_disjoint)
     except (ReportInputError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if args.format == "json":
@@ -157,13 +180,15 @@ def _plot(args: argparse.Namespace) -> int:
 
     if len(args.results) > 2:
         raise CliError("plot takes one result, or two to overlay")
+    if not args.output.strip() or Path(args.output).name in ("", ".", ".."):
+        raise CliError(f"-o/--output {args.output!r}: a file name is needed (e.g. -o figure1.png)")
     try:
         results = [load_result(p, args.scenario) for p in args.results]
     except ReportInputError as exc:
         raise CliError(str(exc)) from None
     labels = args.labels.split(",") if args.labels else [
-        r["scenario"].get("flush", r["scenario_id"])
-        if len({x["scenario"].get("flush") for x in results}) == len(results) else r["scenario_id"]
+        (r.get("scenario") or {}).get("flush", r["scenario_id"])
+        if len({(x.get("scenario") or {}).get("flush") for x in results}) == len(results) else r["scenario_id"]
         for r in results]
     if len(labels) != len(results):
         raise CliError(f"--labels needs {len(results)} comma-separated names")
@@ -201,8 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--torch-version", default=None, metavar="X.Y",
                    help="the PyTorch whose allocator behaviours to model (2.8-2.10 differ: docs/allocator-model.md); "
                         "default: read from the snapshot's allocator_settings, else the newest modelled")
-    r.add_argument("--device-memory-gib", type=float, default=None,
-                   help="device capacity (default: inferred from the trace's oom entries, else unlimited)")
+    r.add_argument("--device-memory-gib", type=_device_memory_gib, default=None, metavar="GIB",
+                   help="device capacity, above 0 and at most 262144 GiB (default: inferred from the trace's oom "
+                        "entries, else unlimited; an expandable segment's address space is 1 1/8 of it, else of "
+                        "80 GiB)")
     r.add_argument("--json", action="store_true", help="print one JSON object: recorded, simulated, agreement")
     r.add_argument("--address-orders", type=int, default=0, metavar="N",
                    help="also replay under N seeded random placements of new segments (the driver's choice; "

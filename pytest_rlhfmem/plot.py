@@ -12,11 +12,10 @@ panel each, so each run's bands are its own.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
-from .report import ReportInputError
+from .report import ReportInputError, read_results
 
 GIB = float(2**30)
 # one light colour per phase name (bands), distinct at a glance and light enough for the curves on them
@@ -26,27 +25,38 @@ HOST_STYLES = ((":", "#7d3c98"), ("-.", "#d35400"))  # per run: host peak RSS li
 
 
 def load_result(path: str | Path, scenario: str | None = None) -> dict:
-    """One scenario result from a run JSON or a session JSON. Raises :class:`ReportInputError` naming
-    the file and, when a session holds several scenarios, the ids to choose from."""
+    """One scenario result from a run JSON or a session JSON (read and checked by :func:`~.report.read_results`).
+    Raises :class:`ReportInputError` naming the file and, when a session holds several scenarios, the ids to
+    choose from; or the key of a result that cannot be drawn (a rank's series of unequal lengths, none with a
+    point, a ranked series without ``total.peak_reserved``)."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReportInputError(f"{p}: cannot read a result ({exc})") from None
-    results = data.get("results") if isinstance(data, dict) and "results" in data else [data]
-    results = [r for r in results if isinstance(r, dict) and "scenario_id" in r]
+    every = read_results(p)
+    results = every
     if scenario:
         exact = [r for r in results if r["scenario_id"] == scenario]
         # in a second file, the scenario that differs only in its flush policy (to overlay policies)
         results = exact or [r for r in results if _flushless(r["scenario_id"]) == _flushless(scenario)]
     if len(results) != 1:
-        ids = [r["scenario_id"] for r in (data.get("results") or [])] if isinstance(data, dict) else []
+        ids = [r["scenario_id"] for r in every] if len(every) > 1 else []
         raise ReportInputError(f"{p}: {'no' if not results else 'several'} scenario results"
                                + (f" for {scenario!r}" if scenario else "") +
                                (f"; choose one with --scenario: {', '.join(ids)}" if ids else ""))
     r = results[0]
-    if not any(rank.get("series") for rank in r.get("ranks", [])):
+    if not any(rank.get("series") for rank in r.get("ranks") or []):
         raise ReportInputError(f"{p}: {r['scenario_id']} has no memory series (failed run?)")
+    for k, rank in enumerate(r["ranks"]):
+        s = rank.get("series")
+        if not s:
+            continue
+        where = f"{p}: {r['scenario_id']}: ranks[{k}].series"
+        lengths = {key: len(s.get(key) or []) for key in ("index", "reserved", "allocated",
+                                                          "reserved_without_fragmentation")}
+        if len(set(lengths.values())) != 1 or not lengths["index"]:
+            raise ReportInputError(f"{where}: index, reserved, allocated and reserved_without_fragmentation must be "
+                                   f"lists of one equal length >= 1, got lengths {lengths}")
+        if (rank.get("total") or {}).get("peak_reserved") is None:
+            raise ReportInputError(f"{p}: {r['scenario_id']}: ranks[{k}].total.peak_reserved: must be a number "
+                                   "(bytes) for a rank with a series")
     return r
 
 
@@ -69,7 +79,7 @@ def axis_unit(max_bytes: float) -> tuple[str, float]:
 
 
 def _host_per_phase(rank: dict) -> dict:
-    return {p["phase"]: p.get("host_peak_rss") for p in rank.get("phases", []) if p.get("host_peak_rss")}
+    return {p["phase"]: p.get("host_peak_rss") for p in rank.get("phases") or [] if p and p.get("host_peak_rss")}
 
 
 def _segments(series: dict) -> list[tuple[str, int, int]]:

@@ -10,6 +10,7 @@ the full table folded in ``<details>``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 from .budgets import BUDGET_METRICS, DEFAULT_TOLERANCES, SIZE_BUDGETS, BudgetError, load_budget_file
 from .memory.events import SIMULATED_CAPTURES
-from .units import format_size
+from .units import MAX_SIZE, format_size, read_file_bounded
 
 # "unmeasured": the scenario is on both sides but one side lacks this metric (e.g. budgets written before
 # host memory was measured): it does not decide the scenario's verdict.
@@ -37,6 +38,142 @@ class SessionResults(Protocol):
 
 class ReportInputError(ValueError):
     """An input file that is neither a session result, a run result nor a budget file."""
+
+
+# -- result JSONs: read with a bound, checked against what the reports read of them ---------------------------
+
+MAX_RESULT_JSON_BYTES = 2**30  # a result JSON (run, capture, session) is read only when a regular file of at most this
+
+# What diff, plot and advise read of a result, and what each may hold (every key may be absent or null except
+# scenario_id; keys not listed are passed over): "text", "integer" and "number" (finite, |v| <= 2**63-1, never a
+# bool), "bool", "mapping" (any), a dict (a mapping whose listed keys are checked), [spec] (a list of spec), ("map",
+# spec) (a mapping of text keys to spec), ("pair", a, b) (a list of two).
+_SERIES = {"index": ["integer"], "reserved": ["number"], "allocated": ["number"],
+           "reserved_without_fragmentation": ["number"], "phase_starts": [("pair", "text", "integer")]}
+_RANK = {"rank": "integer", "trace_file": "text", "recipe": {"rollout_engine": "mapping"},
+         "flush_cost": {"measured_flush_s": ["number"], "segments_released": "integer"}, "series": _SERIES,
+         "total": {"peak_reserved": "number"}, "phases": [{"phase": "text", "host_peak_rss": "number"}]}
+RESULT_SCHEMA = {
+    "scenario_id": "text", "status": "text", "capture": "text", "device": "text", "world_size": "integer",
+    "simulated": "bool", "peak_phase": "text", "scenario": {"flush": "text"}, "metrics": ("map", "number"),
+    "versions": ("map", "text"), "host_cpu": "mapping", "capture_description": "mapping",
+    "iteration_wall_s": "number", "time_rounds": ["number"], "ranks": [_RANK],
+}
+_WHAT = {"text": "text", "integer": "an integer", "number": "a finite number", "bool": "true or false",
+         "mapping": "a mapping", "scalar": "text or a number"}
+
+
+def _type_error(spec: object, v: object) -> str | None:
+    """What ``v`` should be under ``spec`` (a leaf), or ``None`` when it is that."""
+    if spec == "text":
+        ok = isinstance(v, str)
+    elif spec == "bool":
+        ok = isinstance(v, bool)
+    elif spec == "mapping":
+        ok = isinstance(v, dict)
+    elif spec in ("integer", "number", "scalar"):
+        if isinstance(v, str):
+            ok = spec == "scalar"
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or (spec == "integer" and isinstance(v, float)):
+            ok = False
+        else:
+            ok = math.isfinite(v) and abs(v) <= MAX_SIZE
+            if not ok:
+                return f"{_WHAT[spec]} within +-(2**63-1)"
+    else:
+        raise AssertionError(spec)
+    return None if ok else _WHAT[spec]
+
+
+def _check(v: object, spec: object, where: str) -> tuple[str, str] | None:
+    """The first place in ``v`` that ``spec`` refuses, as ``(key path, what is allowed)``; ``None`` if none."""
+    if v is None:
+        return None
+    if isinstance(spec, dict):
+        if not isinstance(v, dict):
+            return where, "a mapping"
+        for k, sub in spec.items():
+            bad = _check(v.get(k), sub, f"{where}.{k}" if where else k)
+            if bad:
+                return bad
+        return None
+    if isinstance(spec, list):
+        if not isinstance(v, list):
+            return where, "a list"
+        for i, item in enumerate(v):
+            bad = _check(item, spec[0], f"{where}[{i}]") if item is not None else (f"{where}[{i}]", "not null")
+            if bad:
+                return bad
+        return None
+    if isinstance(spec, tuple) and spec[0] == "map":
+        if not isinstance(v, dict):
+            return where, "a mapping"
+        for k, item in v.items():
+            bad = _check(item, spec[1], f"{where}.{k}")
+            if bad:
+                return bad
+        return None
+    if isinstance(spec, tuple) and spec[0] == "pair":
+        if not isinstance(v, list) or len(v) != 2 or None in v:
+            return where, f"a list of two: {_WHAT[spec[1]]}, {_WHAT[spec[2]]}"
+        return _check(v[0], spec[1], f"{where}[0]") or _check(v[1], spec[2], f"{where}[1]")
+    what = _type_error(spec, v)
+    return (where, what) if what else None
+
+
+def read_results(path: str | Path) -> list[dict]:
+    """The results of a result JSON: a run's or a capture's (one result, ``rlhfmem run --json``) or a session's
+    (``--rlhfmem-json``: ``{"results": [...]}``), each checked against :data:`RESULT_SCHEMA` before any report
+    reads it. Raises :class:`ReportInputError`, one line naming the file, the result, the key and what is
+    allowed (a file that is not a regular file of at most :data:`MAX_RESULT_JSON_BYTES`, not JSON, neither kind of
+    result, a key holding the wrong type, a number that is not finite)."""
+    p = Path(path)
+    try:
+        data = json.loads(read_file_bounded(p, MAX_RESULT_JSON_BYTES, "result JSON"))
+    except FileNotFoundError:
+        raise ReportInputError(f"{p}: cannot read a result (no such file)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportInputError(f"{p}: not JSON ({exc})") from None
+    except RecursionError:
+        raise ReportInputError(f"{p}: not JSON a result holds (nested too deeply)") from None
+    except ValueError as exc:  # not a regular file, too large
+        raise ReportInputError(str(exc)) from None
+    except OSError as exc:
+        raise ReportInputError(f"{p}: cannot be read: {exc.strerror or exc}") from None
+    if isinstance(data, dict) and "results" in data:
+        results, session = data["results"], True
+        if not isinstance(results, list):
+            raise ReportInputError(f"{p}: results: must be a list of scenario results, got {_short(results)}")
+    elif isinstance(data, dict) and "scenario_id" in data:
+        results, session = [data], False
+    else:
+        raise ReportInputError(f"{p}: no scenario_id: neither a run result (rlhfmem run/capture --json: a mapping "
+                               "with scenario_id), a session result (--rlhfmem-json: a mapping with results) nor a "
+                               "budget file (.yaml)")
+    for i, r in enumerate(results):
+        label = f"results[{i}]" if session else "the result"
+        if not isinstance(r, dict) or not isinstance(r.get("scenario_id"), str):
+            raise ReportInputError(f"{p}: {label}: must be a scenario result (a mapping whose scenario_id is text), "
+                                   f"got {_short(r)}")
+        bad = _check(r, RESULT_SCHEMA, "")
+        if bad:
+            key, what = bad
+            v = r
+            raise ReportInputError(f"{p}: {label} ({r['scenario_id']}): {key}: must be {what}, got "
+                                   f"{_short(_at(v, key))}")
+    return results
+
+
+def _short(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:56] + " ..."
+
+
+def _at(v: object, key: str) -> object:
+    """The value at ``key`` (a path as :func:`_check` writes it: ``a.b[2].c``) in ``v``."""
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        v = v[int(part[1:-1])] if part.startswith("[") else v[part]  # type: ignore[index]
+    return v
 
 
 class NothingMatched(ReportInputError):
@@ -84,16 +221,7 @@ def load_side(path: str | Path) -> Side:
             env = _env({"device": e.device, **e.raw})
             side.scenarios[eid] = {"metrics": dict(e.metrics), "status": "ok", "env": env}
         return side
-    try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ReportInputError(f"{p}: not JSON ({exc})") from None
-    results = data.get("results") if isinstance(data, dict) else None
-    if results is None and isinstance(data, dict) and "scenario_id" in data:
-        results = [data]
-    if not isinstance(results, list):
-        raise ReportInputError(f"{p}: neither a session result (--rlhfmem-json), a run result (rlhfmem run --json) "
-                               "nor a budget file (.yaml)")
+    results = read_results(p)
     side = Side(str(p))
     for r in results:
         side.scenarios[r["scenario_id"]] = {"metrics": r.get("metrics") or {}, "status": r.get("status", "ok"),
@@ -102,12 +230,17 @@ def load_side(path: str | Path) -> Side:
 
 
 def parse_threshold(text: str) -> float:
-    """``"5%"`` or ``"0.05"`` -> 0.05. Raises ``ValueError``."""
+    """``"5%"`` or ``"0.05"`` -> 0.05: a finite fraction >= 0. Raises ``ValueError`` (one line naming the option and
+    what is allowed) for anything else: no number, nan, inf, a negative threshold."""
     t = text.strip()
+    allowed = "a percentage like 5% or a fraction like 0.05 (finite, >= 0)"
     try:
-        return float(t[:-1]) / 100.0 if t.endswith("%") else float(t)
+        v = float(t[:-1]) / 100.0 if t.endswith("%") else float(t)
     except ValueError:
-        raise ValueError(f"threshold {text!r}: expected a percentage like 5% or a fraction like 0.05") from None
+        raise ValueError(f"--threshold {text!r}: expected {allowed}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"--threshold {text!r}: out of range: expected {allowed}")
+    return v
 
 
 TIME_METRIC = "iteration_time"

@@ -19,11 +19,12 @@ not overlap); the printed +-X% is that sum relative to ``base``. Times are secon
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from .budgets import read_yaml_file
 
 SPREAD_FILE = "time_spread.yaml"
 
@@ -58,15 +59,29 @@ def rounds_spread(times: list[float]) -> tuple[float, float]:
     return med, ((max(times) - min(times)) / med) if med > 0 else 0.0
 
 
-def load_spreads(path: str | Path | None) -> dict[str, dict]:
-    """``time_spread.yaml`` entries (scenario id -> {runs, median_s, spread}); ``{}`` when absent or unreadable."""
+def load_spreads(path: str | Path | None, strict: bool = False) -> dict[str, dict]:
+    """``time_spread.yaml`` entries (scenario id -> {runs, median_s, spread}), read as budget files are
+    (``budgets.read_yaml_file``: a regular file, no YAML anchor or alias); ``{}`` when absent. A file that cannot be
+    read or holds anything else (a spread that is not a finite number >= 0) is ``{}`` too, or with ``strict`` (a
+    file the user named: ``rlhfmem diff --time-spread``) raises ``ValueError``, one line naming the file and key."""
     if not path or not Path(path).exists():
         return {}
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError:
+        data = read_yaml_file(path) or {}
+        entries = data.get("entries") if isinstance(data, dict) else None
+        if not isinstance(entries or {}, dict):
+            raise ValueError(f"{path}: entries: must be a mapping of scenario id -> {{runs, median_s, spread}}")
+        for sid, e in (entries or {}).items():
+            sp = e.get("spread") if isinstance(e, dict) else None
+            if not isinstance(e, dict) or (sp is not None and (isinstance(sp, bool) or not isinstance(sp, (int, float))
+                                                               or not math.isfinite(sp) or sp < 0)):
+                raise ValueError(f"{path}: entry {sid!r}: must be a mapping whose spread is a finite number >= 0 "
+                                 f"(a fraction of the median), got {e!r}")
+    except ValueError:  # BudgetError included
+        if strict:
+            raise
         return {}
-    return dict(data.get("entries") or {})
+    return dict(entries or {})
 
 
 def _flushless(sid: str) -> str:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 from ..errors import CliError
 from ..memory.allocator import AllocatorConfigError
-from ..units import parse_size
+from ..memory.replay_types import MAX_REPLAY_BYTES, ReplayError
+from ..units import format_size, parse_size
 from .candidates import DEFAULT_MAX_FLUSHES
+from .evaluation import ReplayWorkerDied
 from .inputs import AdviseInputError
 from .ranking import advise
 from .rendering import markdown, text_lines
@@ -21,30 +24,55 @@ def add_advise_parser(sub) -> None:  # noqa: ANN001 - argparse's private subpars
                    "ranks' traces, or a torch.cuda.memory._dump_snapshot() pickle")
     a.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the JSON report here")
     a.add_argument("--md", dest="md_out", default=None, metavar="OUT", help="write a markdown report here")
-    a.add_argument("--budget", default=None, metavar="SIZE", help="e.g. '48 MiB': the cheapest change that fits")
-    a.add_argument("--capacity", default=None, metavar="SIZE", help="device memory assumed by "
-                   "garbage_collection_threshold candidates (default: --budget, else the no-flush peak)")
-    a.add_argument("--max-flushes", type=int, default=DEFAULT_MAX_FLUSHES, metavar="K",
+    a.add_argument("--budget", type=_size(2**63 - 1), default=None, metavar="SIZE",
+                   help="e.g. '48 MiB': the cheapest change that fits")
+    a.add_argument("--capacity", type=_size(MAX_REPLAY_BYTES), default=None, metavar="SIZE", help="device memory "
+                   "assumed by garbage_collection_threshold candidates (default: --budget, else the no-flush peak)")
+    a.add_argument("--max-flushes", type=_count(0, 10**6), default=DEFAULT_MAX_FLUSHES, metavar="K",
                    help=f"largest flush set searched (default {DEFAULT_MAX_FLUSHES})")
     a.add_argument("--setting", action="append", default=[], metavar="CONF",
                    help="an extra PYTORCH_CUDA_ALLOC_CONF to evaluate (repeatable), e.g. max_split_size_mb:128")
-    a.add_argument("--top", type=int, default=8, help="rows printed per scenario (default 8)")
-    a.add_argument("--processes", type=int, default=None, help="replay processes (default: 2, or 1 on 1 core)")
+    a.add_argument("--top", type=_count(1, 10**6), default=8, help="rows printed per scenario (default 8)")
+    a.add_argument("--processes", type=_count(1, 256), default=None,
+                   help="replay processes (default: 2, or 1 on 1 core)")
     a.set_defaults(func=_cli)
+
+
+def _count(low: int, high: int):  # noqa: ANN202 - an argparse type
+    """argparse's ``type`` for an integer option in ``low..high``: one line naming the allowed range otherwise."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: {low} to {high}") from None
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{v} is out of range; allowed: {low} to {high}")
+        return v
+    return parse
+
+
+def _size(high: int):  # noqa: ANN202 - an argparse type
+    """argparse's ``type`` for a size option (``units.parse_size``: '48 MiB', '80 GB'), above 0 B and at most
+    ``high`` bytes: one line naming the allowed range otherwise."""
+    top = "2**63-1 bytes" if high == 2**63 - 1 else format_size(high)
+    allowed = f"a size above 0 B and at most {top}, e.g. '48 MiB' (GB = 10**9 bytes, GiB = 2**30)"
+
+    def parse(text: str) -> int:
+        try:
+            v = parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not 0 < v <= high:
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: {allowed}")
+        return v
+    return parse
 
 
 def _cli(args) -> int:  # noqa: ANN001
     try:
-        budget = parse_size(args.budget) if args.budget else None
-        capacity = parse_size(args.capacity) if args.capacity else None
-    except ValueError as exc:
-        raise CliError(f"--budget/--capacity: {exc}") from None
-    if args.max_flushes < 0:
-        raise CliError(f"--max-flushes {args.max_flushes}: must be >= 0")
-    try:
-        doc = advise(args.input, max_flushes=args.max_flushes, budget=budget, capacity=capacity,
+        doc = advise(args.input, max_flushes=args.max_flushes, budget=args.budget, capacity=args.capacity,
                      processes=args.processes, settings=tuple(args.setting))
-    except (AdviseInputError, AllocatorConfigError) as exc:
+    except (AdviseInputError, AllocatorConfigError, ReplayError, ReplayWorkerDied) as exc:
         raise CliError(str(exc)) from None
     for line in text_lines(doc, args.top):
         print(line)

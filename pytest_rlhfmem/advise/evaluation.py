@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from ..memory.allocator import AllocatorConfig
 from ..memory.events import Trace
@@ -65,9 +68,22 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
             "external_map_failures": len(res.external_map_failures), "peak_device_used": res.peak_device_used}
 
 
+class ReplayWorkerDied(RuntimeError):
+    """A replay process of the pool died (a signal, the out-of-memory killer); one line, nothing was advised."""
+
+
+def _worker_init() -> None:
+    """A pool worker leaves SIGINT to the parent, which stops the workers itself (:meth:`Evaluator.close`): a
+    Ctrl-C then prints no traceback per worker and stops the command at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Evaluator:
-    """Replays candidates on every rank, with a cache; ``processes`` > 1 uses a fork pool. ``device_capacity``
-    (bytes): what candidates without their own capacity replay against (``None``: unlimited)."""
+    """Replays candidates on every rank, with a cache; ``processes`` > 1 uses a fork pool
+    (``concurrent.futures.ProcessPoolExecutor``: a worker that dies breaks the pool, and :meth:`evaluate` raises
+    :class:`ReplayWorkerDied` instead of waiting for its lost job). ``device_capacity`` (bytes): what candidates
+    without their own capacity replay against (``None``: unlimited). On an exception (Ctrl-C included) its user
+    calls ``close(abort=True)``, which terminates the workers rather than waiting for their replays."""
 
     def __init__(self, ranks: list[RankInput], processes: int, device_capacity: int | None = None) -> None:
         global _RANKS
@@ -83,13 +99,20 @@ class Evaluator:
             # keeps the workers' garbage collector from touching (and so copying) their pages.
             gc.collect()
             gc.freeze()
-            self.pool = multiprocessing.get_context("fork").Pool(processes)
+            self.pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"),
+                                            initializer=_worker_init)
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool.join()
-            self.pool = None
+    def close(self, abort: bool = False) -> None:
+        """End the pool: wait for its workers, or (``abort``) terminate them."""
+        if self.pool is None:
+            return
+        pool, self.pool = self.pool, None
+        try:
+            if abort:
+                _terminate_workers(pool)
+            else:
+                pool.shutdown(wait=True)
+        finally:
             gc.unfreeze()
 
     def _engine(self, job: tuple[Spec, int]) -> str:
@@ -106,8 +129,16 @@ class Evaluator:
         # Python-engine replays (expandable segments) first, then the largest traces: better balance
         # across the two processes.
         jobs.sort(key=lambda j: (self._engine(j) != PYTHON, -len(self.ranks[j[1]].program)))
-        outs = self.pool.map(_replay_one, jobs, chunksize=1) if self.pool and len(jobs) > 1 else \
-            [_replay_one(j) for j in jobs]
+        if self.pool and len(jobs) > 1:
+            try:
+                outs = list(self.pool.map(_replay_one, jobs))
+            except BrokenProcessPool:
+                self.close(abort=True)
+                raise ReplayWorkerDied(
+                    "a replay worker process died (killed by a signal, or by the out-of-memory killer) while "
+                    "replaying the candidates; nothing was advised (--processes 1 replays in this process)") from None
+        else:
+            outs = [_replay_one(j) for j in jobs]
         self.replays += len(jobs)
         per: dict[Spec, list[dict]] = {}
         for (s, _r), o in zip(jobs, outs):
@@ -115,6 +146,23 @@ class Evaluator:
         for s, rows in per.items():
             self.cache[s] = _aggregate(rows)
         return [self.cache[s] for s in specs]
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate ``pool``'s worker processes and shut it down without waiting, so that nothing waits for a replay
+    no one will read: ``terminate_workers`` from Python 3.14; before it, the executor's own process table (read
+    before ``shutdown``, which drops it)."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.join(5)
 
 
 def _aggregate(rows: list[dict]) -> dict:

@@ -16,7 +16,6 @@ no phases (one window, ``run``) has no flush boundary at all (``MARKS_HINT`` say
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ..memory.events import ALLOC, CAPTURE_CUDA, EXTERNAL_MAP, FLUSH, FREE, FREE
 from ..memory.flushes import program_events
 from ..memory.trace import SnapshotError, load_snapshot, trace_from_snapshot
 from ..memory.trace_io import TraceFileError, load_trace, resolve_trace_path
+from ..report import ReportInputError, read_results
 
 WINDOWS = 8  # boundaries of a trace without phases
 POLICY_FLUSH_PREFIX = "after-"  # the flush policy's FLUSH names: after-<phase> (rlhf/common.py PhaseSteps)
@@ -157,7 +157,7 @@ def _rank_input(rank: int, trace: Trace, library_flushes: bool = False, engine: 
     placements. Otherwise (a capture, a snapshot) every flush is a placement the advisor may move or drop."""
     program, recorded = program_events(trace, _is_library_flush if library_flushes else None)
     kw = {"initial_segments": trace.initial_segments, "allocator_settings": trace.allocator_settings,
-          "capture": trace.capture}
+          "capture": trace.capture, "source": trace.source}
     pc = columns_from_trace(Trace(events=program, **kw))
     rc = columns_from_trace(Trace(events=recorded, **kw)) if len(recorded) != len(program) else pc
     b = find_boundaries(program)
@@ -170,17 +170,18 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
     p = Path(path)
     if not p.exists():
         raise AdviseInputError(f"{p}: no such file")
-    head = p.read_bytes()[:1]
+    head = b""  # not a regular file (a device, a FIFO): the snapshot reader below refuses it in one line
+    if p.is_file():
+        try:
+            with open(p, "rb") as f:
+                head = f.read(1)
+        except OSError as exc:
+            raise AdviseInputError(f"{p}: cannot be read: {exc.strerror or exc}") from None
     if head in (b"{", b"["):
         try:
-            data = json.loads(p.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise AdviseInputError(f"{p}: not valid JSON ({exc})") from None
-        results = data.get("results") if isinstance(data, dict) and "results" in data else [data]
-        results = [r for r in results if isinstance(r, dict) and "scenario_id" in r]
-        if not results:
-            raise AdviseInputError(f"{p}: not a result of rlhfmem run/capture or a session --rlhfmem-json "
-                                   "(no scenario_id)")
+            results = read_results(p)  # each result checked against report.RESULT_SCHEMA
+        except ReportInputError as exc:
+            raise AdviseInputError(str(exc)) from None
         out = []
         for r in results:
             ranks = []
@@ -192,7 +193,8 @@ def load_inputs(path: str | Path) -> list[ScenarioInput]:
                         f"{p}: {r['scenario_id']} rank {rk.get('rank')} names no trace file (a result written "
                         "before results saved their traces, or a run without capture): rerun it to advise")
                 try:
-                    ranks.append(_rank_input(int(rk.get("rank", len(ranks))), load_trace(resolve_trace_path(tf, p)),
+                    rank = len(ranks) if rk.get("rank") is None else rk["rank"]
+                    ranks.append(_rank_input(rank, load_trace(resolve_trace_path(tf, p)),
                                              library_flushes=policy is not None,
                                              engine=(rk.get("recipe") or {}).get("rollout_engine")))
                 except TraceFileError as exc:

@@ -421,6 +421,8 @@ def advise(path: str | Path, max_flushes: int = DEFAULT_MAX_FLUSHES, budget: int
         ev = Evaluator(si.ranks, procs, external)
         try:
             sections.append(advise_scenario(si, ev, max_flushes, budget, capacity, settings=tuple(settings)))
-        finally:
-            ev.close()
+        except BaseException:  # Ctrl-C, a replay's error, a dead worker: stop the workers, wait for nothing
+            ev.close(abort=True)
+            raise
+        ev.close()
     return {"schema": SCHEMA, "input": str(path), "scenarios": sections}

@@ -60,6 +60,9 @@ kRoundLarge = 2 * MiB  # round up large allocations to 2 MiB
 kRoundUpPowerOfTwoIntervals = 16  # buckets 1 MiB .. 32 GiB+ of roundup_power2_divisions
 
 UNLIMITED = 2**63 - 1  # std::numeric_limits<size_t>::max() stand-in for max_split_size
+# The replay's bound on bytes (replay_types.py says all the bounds; csrc/replay_core.cpp: kMaxReplayBytes): a
+# setting in bytes (max_split_size unless unlimited, max_non_split_rounding_size), a roundup division count
+MAX_REPLAY_BYTES = 2**48
 
 
 # The environment variables the caching allocator reads its settings from. PyTorch 2.9 made PYTORCH_ALLOC_CONF
@@ -185,6 +188,14 @@ class AllocatorConfig:
         object.__setattr__(self, "torch_version", parse_torch_version(self.torch_version))
         for key in ("use_on_oom_pools", "no_split_pools"):
             object.__setattr__(self, key, tuple(tuple(p) for p in getattr(self, key)))
+        for name in ("max_split_size", "max_non_split_rounding_size"):
+            b = getattr(self, name)
+            if not (name == "max_split_size" and b == UNLIMITED) and not 0 <= b <= MAX_REPLAY_BYTES:
+                raise AllocatorConfigError(f"{name}={b} bytes: out of range (0 to 2**48 bytes, 256 TiB, the replay's "
+                                           f"bound{'; or unlimited' if name == 'max_split_size' else ''})")
+        if any(not 0 <= d <= MAX_REPLAY_BYTES for d in self.roundup_power2_divisions):
+            raise AllocatorConfigError(f"roundup_power2_divisions={list(self.roundup_power2_divisions)}: each 0 to "
+                                       "2**48 (the replay's bound)")
         v = self.torch_version
         if v is None:
             return
@@ -239,11 +250,15 @@ class AllocatorConfig:
                 mb = _parse_int(key, value, "an integer number of MiB > 20")
                 if mb <= kLargeBuffer // MiB:
                     raise AllocatorConfigError(f"max_split_size_mb={mb} too small: must be > 20 (MiB)")
+                if mb > MAX_REPLAY_BYTES // MiB:
+                    raise AllocatorConfigError(f"max_split_size_mb={mb}: out of range; allowed: 21 to "
+                                               f"{MAX_REPLAY_BYTES // MiB} (256 TiB, the replay's bound)")
                 kw["max_split_size"] = mb * MiB
             elif key == "max_non_split_rounding_mb":
                 mb = _parse_int(key, value, "an integer number of MiB >= 0")
-                if mb < 0:
-                    raise AllocatorConfigError(f"max_non_split_rounding_mb={mb} must be >= 0")
+                if not 0 <= mb <= MAX_REPLAY_BYTES // MiB:
+                    raise AllocatorConfigError(f"max_non_split_rounding_mb={mb}: out of range; allowed: 0 to "
+                                               f"{MAX_REPLAY_BYTES // MiB} (256 TiB, the replay's bound)")
                 kw["max_non_split_rounding_size"] = mb * MiB
             elif key == "roundup_power2_divisions":
                 kw["roundup_power2_divisions"] = _parse_roundup_power2_divisions(value)
@@ -744,6 +759,11 @@ class CachingAllocatorModel:
         self.external_bytes = 0
         self.peak_device_used = 0  # bytes: the peak of reserved + external_bytes, updated where either grows
 
+    @property
+    def next_synthetic_address(self) -> int:
+        """Where the next segment goes without an anchor or a driver placement (the last one's end + 2 MiB)."""
+        return self._next_synthetic_address
+
     # -- sizes ----------------------------------------------------------------------------------
 
     def round_size(self, size: int) -> int:
@@ -1140,6 +1160,11 @@ class CachingAllocatorModel:
         """``try_allocate_expandable_block``: a free block of at least ``size`` bytes made by mapping
         pages after (or filling gaps before) free space, taken out of the pool; ``None`` if a map failed."""
         candidate = self.find_expandable_block(stream, pool, size)
+        # A request larger than a new segment's whole address space (1 1/8 of the device's memory): PyTorch maps
+        # the whole range, which the device cannot back, so the request fails (map_block's capacity check says so
+        # where the capacity is known; without one the loop below would run past the segment's last block).
+        if candidate.next is None and candidate.size < size:
+            return None
         if not candidate.mapped and not self.map_block(candidate, min(candidate.size, size)):
             return None
         while candidate.size < size:

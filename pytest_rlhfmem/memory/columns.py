@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import accumulate, compress
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -71,14 +71,16 @@ class TraceColumns:
         """Events whose action is one of ``actions`` (C speed: ``bytes.count``)."""
         return sum(self.action.count(bytes([CODE[a]])) for a in actions)
 
-    def absolute_times(self) -> array:
+    def absolute_times(self) -> array | list[int]:
+        """The time column as absolute microseconds: itself, or the running sum of the differences (an
+        ``array('q')``; a plain list where a sum leaves int64, for the replay's bound to refuse in one line)."""
         if not self.time_is_delta:
             return self.time_us
-        out, t = array("q"), 0
-        for d in self.time_us:
-            t += d
-            out.append(t)
-        return out
+        out = list(accumulate(self.time_us))
+        try:
+            return array("q", out)
+        except OverflowError:
+            return out
 
     def to_trace(self) -> Trace:
         """The Event list (for the Python engine): one Python object per event; the Trace itself when these

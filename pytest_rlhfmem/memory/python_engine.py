@@ -15,13 +15,36 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .allocator import AllocatorConfig, Block, CachingAllocatorModel, OutOfMemoryError
+from .columns import CODE
 from .events import (
     ALLOC, CUBLAS_WORKSPACE, EXTERNAL_MAP, EXTERNAL_UNMAP, FLUSH, FREE, FREE_REQUESTED, OOM, PHASE, POOL_ENTER,
     POOL_EXIT, POOL_RELEASE, SEGMENT_ALLOC, SEGMENT_FREE, SEGMENT_MAP, SEGMENT_UNMAP, Event, Trace,
 )
 from .metrics import MetricsCollector
 from .recorded import CREATIONS, RELEASES, infer_capacity, recorded_release_batches
-from .replay_types import ANCHORED, PYTHON, ReplayError, ReplayResult
+from .replay_types import (
+    ADDRESS_OUT_OF_RANGE, ADDRESS_SPACE_EXHAUSTED, ANCHORED, CAPACITY_OUT_OF_RANGE, MAX_MODEL_ADDRESS, MAX_REPLAY_BYTES,
+    MAX_SEGMENT_ADDRESS, MAX_TIME_US, PYTHON, RESERVED_OUT_OF_RANGE, SIZE_OUT_OF_RANGE, TIME_OUT_OF_RANGE,
+    ReplayError, ReplayResult, bound_error, check_initial_segments,
+)
+
+_SIZED = frozenset((ALLOC, OOM, SEGMENT_ALLOC, SEGMENT_MAP, EXTERNAL_MAP))  # their size is bytes the model takes
+_PLACED = frozenset((SEGMENT_ALLOC, SEGMENT_MAP))  # their address is where an anchored replay puts a segment
+
+
+def check_event_ranges(events: list[Event], source: str) -> None:
+    """Refuse, before anything replays, an event beyond the replay's bounds (``replay_types.MAX_REPLAY_BYTES``
+    ...), in the order the compiled core checks (``csrc/replay_core.cpp``, ``Model::run``): per event its size,
+    then its recorded segment address, then its time. Raises :class:`~.replay_types.ReplayError` (one line: the
+    event, its action, the field and the allowed range)."""
+    for idx, ev in enumerate(events):
+        action = ev.action
+        if action in _SIZED and not 0 <= ev.size <= MAX_REPLAY_BYTES:
+            raise bound_error(SIZE_OUT_OF_RANGE, source, idx, action, ev.size)
+        if action in _PLACED and not 0 <= ev.addr <= MAX_SEGMENT_ADDRESS:
+            raise bound_error(ADDRESS_OUT_OF_RANGE, source, idx, action, ev.addr)
+        if not -MAX_TIME_US <= ev.time_us <= MAX_TIME_US:
+            raise bound_error(TIME_OUT_OF_RANGE, source, idx, action if action in CODE else "other")
 
 
 def with_flushes(events: list[Event], positions: list[int], names: list[str]) -> list[Event]:
@@ -47,6 +70,15 @@ def with_flush_events(trace: Trace, positions: list[int] | tuple[int, ...], name
                  device=trace.device)
 
 
+def _check_model_bounds(model: CachingAllocatorModel, source: str, idx: int, action: str) -> None:
+    """After an ALLOC or OOM (the only events that reserve): the model's reserved bytes and its next segment
+    address within the replay's bounds, as the compiled core's ``out_of_bounds``. Raises ``ReplayError``."""
+    if model.stats.reserved_bytes > MAX_REPLAY_BYTES:
+        raise bound_error(RESERVED_OUT_OF_RANGE, source, idx, action, model.stats.reserved_bytes)
+    if model.next_synthetic_address > MAX_MODEL_ADDRESS:
+        raise bound_error(ADDRESS_SPACE_EXHAUSTED, source, idx, action)
+
+
 def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: int | None, record_series: bool,
                   record_events: bool, engine_reason: str,
                   address_for_new_segment: Callable[[int | None], int | None] | None = None,
@@ -67,7 +99,12 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
         capacity = infer_capacity(trace)
         if capacity is not None:
             capacity_source = "inferred from the trace's oom entries"
+    source = trace.source
+    if capacity is not None and not -MAX_REPLAY_BYTES <= capacity <= MAX_REPLAY_BYTES:
+        raise bound_error(CAPACITY_OUT_OF_RANGE, source, value=capacity)
+    check_initial_segments(source, trace.initial_segments)
     events = trace.events
+    check_event_ranges(events, source)
     anchored = mode == ANCHORED
     segment_allocs: list[tuple[int, int]] = []
     segment_maps: list[tuple[int, int]] = []
@@ -171,6 +208,7 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
                 collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms)
             state["last_was_free"] = False
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
+            _check_model_bounds(model, source, idx, action)
             if stop_at_reserved is not None and st.reserved_bytes >= stop_at_reserved:
                 break
         elif action == FREE:
@@ -212,6 +250,7 @@ def replay_python(trace: Trace, config: AllocatorConfig, mode: str, capacity: in
             collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms)
             state["last_was_free"] = False
             after_event(st.reserved_bytes, st.allocated_bytes, ev.time_us)
+            _check_model_bounds(model, source, idx, action)
         elif action in CREATIONS:
             pending_anchor.append((ev.addr, ev.size, action == SEGMENT_MAP))
         elif action in RELEASES:

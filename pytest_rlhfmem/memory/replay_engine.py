@@ -38,7 +38,11 @@ from .columns import ACTIONS, TraceColumns
 from .driver_va import ABOVE_LAST
 from .events import SegmentState
 from .metrics import WindowMetrics
-from .replay_types import ANCHORED, COMPILED, ENGINES, PYTHON, ReplayError, ReplayResult
+from . import replay_types as _rt
+from .replay_types import (
+    ANCHORED, COMPILED, ENGINES, MAX_MODEL_ADDRESS, MAX_REPLAY_BYTES, MAX_SEGMENT_ADDRESS, MAX_TIME_US, PYTHON,
+    ReplayError, ReplayResult, bound_error, check_initial_segments,
+)
 
 __all__ = [
     "COMPILED", "ENGINES", "PYTHON", "SOURCE", "STATUS_MESSAGES", "EngineUnavailable", "ReplaySettings", "ReplayStatus",
@@ -106,6 +110,17 @@ class ReplaySettings(ctypes.Structure):
             empty_cache_scoped_to_region=int(not config.since(EMPTY_CACHE_ALL_FREEABLE_POOLS)))
 
 
+def core_bounds() -> tuple[int, int, int, int]:
+    """The compiled core's bounds (``rc_bounds``): ``kMaxReplayBytes``, ``kMaxSegmentAddress``, ``kMaxTimeUs``,
+    ``kMaxModelAddress``, which ``replay_types.py`` mirrors. Raises :class:`EngineUnavailable`."""
+    out = array("q", bytes(8 * 4))
+    load_library().rc_bounds(out.buffer_info()[0])
+    return out[0], out[1], out[2], out[3]
+
+
+BOUNDS = (MAX_REPLAY_BYTES, MAX_SEGMENT_ADDRESS, MAX_TIME_US, MAX_MODEL_ADDRESS)  # as core_bounds() must report
+
+
 def settings_layout() -> tuple[int, list[int]]:
     """``(sizeof, offsets)`` of the C++ ``struct ReplaySettings`` as the compiled core reports them
     (``rc_settings_layout``; offsets in field order). Raises :class:`EngineUnavailable`."""
@@ -124,6 +139,14 @@ class ReplayStatus(enum.IntEnum):
     POOL_RELEASED_WHILE_IN_USE = 3  # allocator.py: get_pool's KeyError
     POOL_NOT_RECORDING = 4  # end_allocate_to_pool's ValueError
     POOL_UNKNOWN = 5  # release_pool's ValueError
+    # beyond the replay's bounds (replay_types.MAX_REPLAY_BYTES ...): replay_types' one-line ReplayErrors
+    SIZE_OUT_OF_RANGE = 6
+    ADDRESS_OUT_OF_RANGE = 7
+    TIME_OUT_OF_RANGE = 8
+    RESERVED_OUT_OF_RANGE = 9
+    ADDRESS_SPACE_EXHAUSTED = 10
+    CAPACITY_OUT_OF_RANGE = 11
+    SEGMENT_OUT_OF_RANGE = 12
 
 
 # Each error status -> (exception, message). {source}, {event}, {action}, {pool_id}: the trace, the event index
@@ -142,6 +165,15 @@ STATUS_MESSAGES: dict[ReplayStatus, tuple[type[Exception], str]] = {
                      "{pool_id}"),
     ReplayStatus.POOL_UNKNOWN: (ReplayError, "{source}: event {event} ({action}): releasePool: no pool with "
                                              "mempool_id {pool_id}"),
+    # the bounds ({value}: the event's size or address, the reserved bytes, the capacity): replay_types' texts
+    ReplayStatus.SIZE_OUT_OF_RANGE: (ReplayError, _rt.SIZE_OUT_OF_RANGE),
+    ReplayStatus.ADDRESS_OUT_OF_RANGE: (ReplayError, _rt.ADDRESS_OUT_OF_RANGE),
+    ReplayStatus.TIME_OUT_OF_RANGE: (ReplayError, _rt.TIME_OUT_OF_RANGE),
+    ReplayStatus.RESERVED_OUT_OF_RANGE: (ReplayError, _rt.RESERVED_OUT_OF_RANGE),
+    ReplayStatus.ADDRESS_SPACE_EXHAUSTED: (ReplayError, _rt.ADDRESS_SPACE_EXHAUSTED),
+    ReplayStatus.CAPACITY_OUT_OF_RANGE: (ReplayError, _rt.CAPACITY_OUT_OF_RANGE),
+    ReplayStatus.SEGMENT_OUT_OF_RANGE: (ReplayError, "{source}: a segment that existed before the trace is out of "
+                                                     "the replay's bounds"),
 }
 
 
@@ -168,6 +200,7 @@ def load_library() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(library_path()))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.rc_settings_layout.argtypes, lib.rc_settings_layout.restype = [p], None
+        lib.rc_bounds.argtypes, lib.rc_bounds.restype = [p], None
         lib.rc_new.argtypes, lib.rc_new.restype = [ctypes.POINTER(ReplaySettings)], p
         lib.rc_import_segment.argtypes, lib.rc_import_segment.restype = [p, i64, i64, i64, i32, i64, p, i64, i64], None
         lib.rc_run.argtypes, lib.rc_run.restype = [p, i64, p, p, p, p, p, i32, i64, p], i32
@@ -267,6 +300,26 @@ _WINDOW_FIELDS = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", "m
                   "events", "start_us", "end_us")
 
 
+_BOUND_STATUSES = frozenset(ReplayStatus(v) for v in range(ReplayStatus.SIZE_OUT_OF_RANGE, len(ReplayStatus)))
+
+
+def _bound_error(status: ReplayStatus, cols: TraceColumns, event: int, original, reserved: int,  # noqa: ANN001
+                 capacity: int | None) -> ReplayError:
+    """The one line of a bound the core refused or passed at ``event`` (the index with flushes inserted;
+    ``original`` maps it to the trace's index, or to an inserted flush's name), as the Python engine words it."""
+    i = original(event) if event >= 0 else -1
+    if isinstance(i, str):
+        action, size, addr = "flush", 0, 0
+    elif i >= 0:
+        code = cols.action[i]
+        action, size, addr = (ACTIONS[code] if code < len(ACTIONS) else "other"), cols.size[i], cols.addr[i]
+    else:
+        action, size, addr = "", 0, 0
+    value = {ReplayStatus.SIZE_OUT_OF_RANGE: size, ReplayStatus.ADDRESS_OUT_OF_RANGE: addr,
+             ReplayStatus.RESERVED_OUT_OF_RANGE: reserved, ReplayStatus.CAPACITY_OUT_OF_RANGE: capacity}.get(status, 0)
+    return bound_error(STATUS_MESSAGES[status][1], cols.source, event, action, value)
+
+
 def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | None,
                  flush_at: list[int] | tuple[int, ...] = (), flush_names: list[str] | tuple[str, ...] = (),
                  mode: str = "free-running") -> ReplayResult:
@@ -281,6 +334,12 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
     messages). ``capacity`` is bytes (``None``: unlimited).
     """
     lib = load_library()
+    source = cols.source
+    # bounds the core refuses too (RC_CAPACITY_OUT_OF_RANGE, RC_SEGMENT_OUT_OF_RANGE), checked here first: a
+    # capacity past int64 would not even reach it (ctypes wraps), and the messages are the Python engine's
+    if capacity is not None and not -MAX_REPLAY_BYTES <= capacity <= MAX_REPLAY_BYTES:
+        raise bound_error(STATUS_MESSAGES[ReplayStatus.CAPACITY_OUT_OF_RANGE][1], source, value=capacity)
+    check_initial_segments(source, cols.initial_segments)
     settings = ReplaySettings.from_config(config, capacity, mode)
     inserted = sorted(zip(flush_at, flush_names))  # with_flushes' order
     h = lib.rc_new(ctypes.byref(settings))
@@ -327,6 +386,8 @@ def run_compiled(cols: TraceColumns, config: AllocatorConfig, capacity: int | No
         return cols.names[j] if j >= 0 else ""
 
     status = ReplayStatus(rc)
+    if status in _BOUND_STATUSES:
+        raise _bound_error(status, cols, error_event, original, final_reserved, capacity)
     if status != ReplayStatus.OK:
         error, template = STATUS_MESSAGES[status]
         i = original(error_event)  # the pool statuses stop at a recorded POOL_* event, never an inserted flush

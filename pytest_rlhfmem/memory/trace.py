@@ -26,6 +26,7 @@ from itertools import compress
 from pathlib import Path
 from typing import Any
 
+from ..units import read_file_bounded
 from .allocator import (
     DEFAULT_POOL, SEGMENT_PLACEMENT_KEY, AllocatorConfig, AllocatorConfigError, CachingAllocatorModel, kSmallBuffer,
     kSmallSize,
@@ -74,9 +75,16 @@ def load_snapshot(path: str | Path) -> dict:
     return _unpickle_snapshot(p, _read_snapshot_bytes(p))
 
 
+MAX_SNAPSHOT_BYTES = 8 * 2**30  # a snapshot pickle is read only when a regular file of at most this (1M events: 75 MB)
+
+
 def _read_snapshot_bytes(p: Path) -> bytes:
+    """The pickle's bytes: a regular file of at most :data:`MAX_SNAPSHOT_BYTES`, refused before it is read otherwise
+    (``rlhfmem replay /dev/zero`` would read for ever). Raises :class:`SnapshotError`."""
     try:
-        return p.read_bytes()
+        return read_file_bounded(p, MAX_SNAPSHOT_BYTES, "memory snapshot")
+    except ValueError as exc:
+        raise SnapshotError(str(exc)) from None
     except OSError as exc:
         raise SnapshotError(f"{p}: cannot read: {exc.strerror or exc}") from None
 

@@ -20,6 +20,11 @@ Layout (version 1; integers little-endian)::
 
 Errors: every problem of a file (missing, not this format, another version, truncated, corrupt) raises
 :class:`TraceFileError` whose message names the file and the one thing wrong with it.
+
+Bounds, checked before anything is inflated: the file is a regular file of at most :data:`MAX_TRACE_FILE_BYTES`,
+its header names at most :data:`MAX_TRACE_EVENTS` events, the payload inflates to exactly ``events`` x 37 bytes
+(inflating stops one byte past that, so a payload that inflates further is refused, not held in memory) and never
+to more than deflate's largest ratio (1032:1) allows for its compressed size.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from array import array
 from itertools import accumulate, repeat
 from pathlib import Path
 
+from ..units import read_file_bounded
 from .columns import CODE, OTHER, RecordedSettings, TraceColumns
 from .events import Event, SegmentState, Trace
 
@@ -40,6 +46,10 @@ MAGIC = b"RLHFMEM-TRACE\n"
 VERSION = 1
 SUFFIX = ".rlhftrace"
 _HEAD = struct.Struct("<HI")
+_EVENT_BYTES = 1 + 8 + 8 + 8 + 8 + 4  # one event in the inflated payload: action, addr, size, stream, dtime, name
+MAX_TRACE_EVENTS = 2**28  # events a trace file may hold (inflated: 9.25 GiB); a recipe iteration holds ~10**5-10**6
+MAX_TRACE_FILE_BYTES = 4 * 2**30  # bytes a trace file may have on disk (compressed)
+_DEFLATE_MAX_RATIO = 1032  # deflate cannot inflate more than this per compressed byte (RFC 1951's longest matches)
 
 
 class TraceFileError(ValueError):
@@ -123,7 +133,9 @@ def _read(path: str | Path) -> tuple[Path, dict, list[array]]:
     """The header and the six payload columns of a trace file (codes, addr, size, stream, dtime, name)."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        data = read_file_bounded(p, MAX_TRACE_FILE_BYTES, "trace file")
+    except ValueError as exc:  # not a regular file, or too large
+        raise TraceFileError(str(exc)) from None
     except OSError as exc:
         raise TraceFileError(f"{p}: cannot read the trace file: {exc.strerror or exc}") from None
     if not data.startswith(MAGIC):
@@ -145,10 +157,20 @@ def _read(path: str | Path) -> tuple[Path, dict, list[array]]:
     payload = data[off + hlen:]
     if len(payload) != plen:
         raise TraceFileError(f"{p}: truncated trace file ({len(payload)} of {plen} payload bytes)")
-    try:
-        raw = zlib.decompress(payload)
+    if not 0 <= n <= MAX_TRACE_EVENTS:
+        raise TraceFileError(f"{p}: corrupt trace header ({n} events; a trace file holds 0 to 2**28)")
+    expected = n * _EVENT_BYTES
+    if expected > _DEFLATE_MAX_RATIO * plen + 64:
+        raise TraceFileError(f"{p}: corrupt trace header ({n} events cannot come out of {plen} compressed bytes)")
+    inflater = zlib.decompressobj()
+    try:  # never more than one byte past what the header's events take
+        raw = inflater.decompress(payload, expected + 1)
     except zlib.error as exc:
         raise TraceFileError(f"{p}: corrupt trace payload ({exc})") from None
+    if len(raw) > expected:
+        raise TraceFileError(f"{p}: corrupt trace payload (it inflates past the {expected} bytes of its {n} events)")
+    if not inflater.eof:
+        raise TraceFileError(f"{p}: corrupt trace payload (incomplete or truncated stream)")
     widths = (1, 8, 8, 8, 8, 4)
     if len(raw) != n * sum(widths):
         raise TraceFileError(f"{p}: corrupt trace payload ({len(raw)} bytes for {n} events)")
@@ -204,8 +226,11 @@ def load_columns(path: str | Path) -> tuple[TraceColumns, RecordedSettings]:
 
 
 def is_trace_file(path: str | Path) -> bool:
-    """Whether ``path`` begins with this format's magic (``False`` when it cannot be read)."""
+    """Whether ``path`` begins with this format's magic (``False`` when it cannot be read or is not a regular file:
+    opening a FIFO would wait for a writer)."""
     try:
+        if not Path(path).is_file():
+            return False
         with open(path, "rb") as f:
             return f.read(len(MAGIC)) == MAGIC
     except OSError:

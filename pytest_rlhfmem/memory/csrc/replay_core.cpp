@@ -57,6 +57,14 @@ constexpr i64 kRoundLarge = 2 * MiB;
 constexpr int kRoundUpPowerOfTwoIntervals = 16;
 constexpr i64 UNLIMITED = INT64_MAX;
 constexpr i64 NONE = INT64_MIN;  // Python's None in the result array
+// The replay's bounds (replay_types.py: MAX_REPLAY_BYTES, MAX_SEGMENT_ADDRESS, MAX_TIME_US, MAX_MODEL_ADDRESS;
+// rc_bounds reports them for the test that holds the two alike). Within them no int64 sum below can overflow:
+// one event adds at most three cudaMallocs (or their pages) of at most 2**48 + 40 MiB bytes each, so reserved,
+// allocated and requested stay below 2**50 and addresses below 2**62 + 2**52.
+constexpr i64 kMaxReplayBytes = (i64)1 << 48;     // a request, a segment, a capacity, the bytes reserved at once
+constexpr i64 kMaxSegmentAddress = (i64)1 << 60;  // a recorded segment's address (anchored mode places blocks there)
+constexpr i64 kMaxTimeUs = (i64)1 << 62;          // |time_us| of an event
+constexpr i64 kMaxModelAddress = (i64)1 << 62;    // the next synthetic segment address
 
 // -- containers (speed only: they change no decision) ---------------------------------------------
 
@@ -185,6 +193,14 @@ enum ReplayStatus : int {
   RC_POOL_RELEASED_WHILE_IN_USE = 3,  // an allocation diverted to a forgotten pool (get_pool's KeyError)
   RC_POOL_NOT_RECORDING = 4,          // POOL_EXIT of a pool not recorded to (endAllocateToPool)
   RC_POOL_UNKNOWN = 5,                // POOL_EXIT / POOL_RELEASE of an unknown pool (releasePool)
+  // beyond the replay's bounds (kMaxReplayBytes ...): refused before anything replays, or where the model passes one
+  RC_SIZE_OUT_OF_RANGE = 6,           // ALLOC / OOM / SEGMENT_ALLOC / SEGMENT_MAP size outside 0..kMaxReplayBytes
+  RC_ADDRESS_OUT_OF_RANGE = 7,        // SEGMENT_ALLOC / SEGMENT_MAP address outside 0..kMaxSegmentAddress
+  RC_TIME_OUT_OF_RANGE = 8,           // |time_us| above kMaxTimeUs (or a time delta sum that overflows)
+  RC_RESERVED_OUT_OF_RANGE = 9,       // reserved bytes above kMaxReplayBytes after an ALLOC / OOM
+  RC_ADDRESS_SPACE_EXHAUSTED = 10,    // the next synthetic segment address above kMaxModelAddress
+  RC_CAPACITY_OUT_OF_RANGE = 11,      // the settings' capacity or device_total outside -kMaxReplayBytes..kMaxReplayBytes
+  RC_SEGMENT_OUT_OF_RANGE = 12,       // a segment that existed before the trace outside the bounds (rc_import_segment)
 };
 
 struct BlockPool;
@@ -431,6 +447,7 @@ struct Model {
   std::vector<i64> flush_points;
   std::vector<i64> requested_at_end;  // pairs (phase window index, requested bytes)
   i64 unmatched_frees = 0, oom_mismatches = 0, flush_frees = 0, error = 0, error_event = -1;
+  bool bad_import = false;  // rc_import_segment was given a segment beyond the bounds: rc_run refuses
 
   ~Model() {
     all_private_pools.clear();  // their set nodes join the free list, freed below
@@ -849,6 +866,10 @@ struct Model {
   // try_allocate_expandable_block: a free block of at least size bytes, taken out of the pool.
   Block* try_allocate_expandable_block(i64 stream, BlockPool& pool, i64 size) {
     Block* candidate = find_expandable_block(stream, pool, size);
+    // A request larger than a new segment's whole address space (1 1/8 of the device's memory): PyTorch maps the
+    // whole range, which the device cannot back, so the request fails (the capacity check of map_block says so
+    // where the capacity is known; without one the loop below would run past the segment's last block).
+    if (!candidate->next && candidate->size < size) return nullptr;
     if (!candidate->mapped && !map_block(candidate, std::min(candidate->size, size))) return nullptr;
     while (candidate->size < size) {
       i64 remaining = size - candidate->size;
@@ -1092,6 +1113,17 @@ struct Model {
   // pool_id: the segment's segment_pool_id (a private pool is created, held once).
   void import_segment(i64 address, i64 total_size, i64 stream, bool is_small, i64 n, const i64* pieces,
                       MempoolId pool_id) {
+    // replay_types.check_initial_segments' bounds (Python refuses first; this keeps the core safe on its own)
+    bool fits = !bad_import && address >= 0 && address <= kMaxSegmentAddress && total_size >= 0 &&
+                total_size <= kMaxReplayBytes && st.reserved_bytes + total_size <= kMaxReplayBytes;
+    for (i64 k = 0; fits && k < n; ++k) {
+      i64 a = pieces[3 * k], sz = pieces[3 * k + 1], req = pieces[3 * k + 2];
+      fits = a >= address && sz >= 0 && a - address <= total_size - sz && req <= sz;
+    }
+    if (!fits) {
+      bad_import = true;
+      return;
+    }
     BlockPool* pool_p = is_small ? &small_blocks : &large_blocks;
     if (pool_id != DEFAULT_POOL) {
       auto it = graph_pools.find(pool_id);
@@ -1176,6 +1208,19 @@ struct Model {
     return batches;
   }
 
+  // After an ALLOC or OOM (the only events that reserve): RC_OK, or the bound the model passed (error_event set).
+  int out_of_bounds(i64 idx) {
+    if (st.reserved_bytes > kMaxReplayBytes) {
+      error_event = idx;
+      return RC_RESERVED_OUT_OF_RANGE;
+    }
+    if (next_synthetic_address > kMaxModelAddress) {
+      error_event = idx;
+      return RC_ADDRESS_SPACE_EXHAUSTED;
+    }
+    return RC_OK;
+  }
+
   // The loop of replay(); returns RC_OK, or a ReplayStatus where the Python engine raises (error_event: the
   // event).
   int run(i64 n, const uint8_t* act, const i64* addr, const i64* size, const i64* stream, const i64* time_us) {
@@ -1194,6 +1239,23 @@ struct Model {
     if (has_releases) release_batches = recorded_release_batches(n, act);
     std::vector<char> retry_allocs;  // ALLOC/OOM indices whose recorded cudaMalloc failed first
     if (has_releases) retry_allocs.assign(n, 0);
+    // python_engine.check_event_ranges: the same checks, in the same order, before anything replays
+    for (i64 i = 0; i < n; ++i) {
+      uint8_t a = act[i];
+      bool sized = a == A_ALLOC || a == A_OOM || a == A_SEGMENT_ALLOC || a == A_SEGMENT_MAP;
+      if (sized && (size[i] < 0 || size[i] > kMaxReplayBytes)) {
+        error_event = i;
+        return RC_SIZE_OUT_OF_RANGE;
+      }
+      if ((a == A_SEGMENT_ALLOC || a == A_SEGMENT_MAP) && (addr[i] < 0 || addr[i] > kMaxSegmentAddress)) {
+        error_event = i;
+        return RC_ADDRESS_OUT_OF_RANGE;
+      }
+      if (time_us[i] < -kMaxTimeUs || time_us[i] > kMaxTimeUs) {
+        error_event = i;
+        return RC_TIME_OUT_OF_RANGE;
+      }
+    }
 
     for (i64 idx = 0; idx < n; ++idx) {
       uint8_t action = act[idx];
@@ -1213,6 +1275,7 @@ struct Model {
             collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
           last_was_free = false;
           collector.after_event(st.allocated_bytes, time_us[idx]);
+          if (int rc = out_of_bounds(idx)) return rc;
           break;
         }
         case A_FREE:
@@ -1257,6 +1320,7 @@ struct Model {
           collector.on_retry_or_oom(st.num_alloc_retries - retries, st.num_ooms - ooms);
           last_was_free = false;
           collector.after_event(st.allocated_bytes, time_us[idx]);
+          if (int rc = out_of_bounds(idx)) return rc;
           break;
         }
         case A_SEGMENT_ALLOC:
@@ -1414,6 +1478,15 @@ extern "C" {
 
 // ReplaySettings' size and field offsets, in declaration order (roundup_power2_divisions: its first item), into
 // out[1 + 15]; out[0] = sizeof. For the layout test of the ctypes mirror.
+// The replay's bounds into out[4]: kMaxReplayBytes, kMaxSegmentAddress, kMaxTimeUs, kMaxModelAddress (for the test
+// that holds them to replay_types.py's).
+void rc_bounds(int64_t* out) {
+  out[0] = kMaxReplayBytes;
+  out[1] = kMaxSegmentAddress;
+  out[2] = kMaxTimeUs;
+  out[3] = kMaxModelAddress;
+}
+
 void rc_settings_layout(int64_t* out) {
   int k = 0;
   out[k++] = (int64_t)sizeof(ReplaySettings);
@@ -1477,15 +1550,36 @@ int rc_run(void* hp, int64_t n, const uint8_t* act, const int64_t* addr, const i
   Model& m = h->model;
   m.collector.total.peak_reserved = m.st.reserved_bytes;
   m.collector.total.peak_allocated = m.st.allocated_bytes;
+  auto in_range = [](i64 v) { return v >= -kMaxReplayBytes && v <= kMaxReplayBytes; };
+  int rc = RC_OK;
+  if ((m.has_capacity && !in_range(m.capacity)) || (m.has_device_total && !in_range(m.device_total))) {
+    rc = RC_CAPACITY_OUT_OF_RANGE;
+  } else if (m.bad_import) {
+    rc = RC_SEGMENT_OUT_OF_RANGE;
+  }
+  if (rc != RC_OK) {
+    m.error = rc;
+    h->result = m.result();
+    return rc;
+  }
   std::vector<i64> t;
   const i64* times = time_us;
   if (time_is_delta) {
+    // A running sum past int64 saturates (and stays so): the check in Model::run then refuses the first event out of
+    // range, as the Python engine's exact sums do (a wrapped sum could land back in range: -2**62 - 2**63 wraps to
+    // 2**62).
     t.resize(n);
     i64 acc = 0;
-    for (i64 i = 0; i < n; ++i) t[i] = acc += time_us[i];
+    bool saturated = false;
+    for (i64 i = 0; i < n; ++i) {
+      if (!saturated && __builtin_add_overflow(acc, time_us[i], &acc)) {
+        saturated = true;
+        acc = time_us[i] > 0 ? INT64_MAX : INT64_MIN;
+      }
+      t[i] = acc;
+    }
     times = t.data();
   }
-  int rc;
   if (n_flush == 0) {
     rc = m.run(n, act, addr, size, stream, times);
   } else {  // materialise the list with flushes, as with_flushes does

@@ -89,10 +89,17 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
     out = cache / f"{name}.so"
     if out.exists():
         return out
-    cache.mkdir(parents=True, exist_ok=True)
     if python_module:
         cmd_flags.append(f"-DTORCH_EXTENSION_NAME={name}")
-    with FileLock(str(cache / f"{source.stem}.lock")):
+    unusable = (f"the build cache {cache} cannot hold {source.name}'s build ({{}}): give ${ENV_CACHE_DIR} a "
+                f"writable directory with room")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(cache / f"{source.stem}.lock"))
+        lock.acquire()
+    except OSError as exc:  # a file in its place, no permission, a full or read-only file system
+        raise unavailable(unusable.format(exc.strerror or exc)) from None
+    try:
         if out.exists():  # another process built it while this one waited
             return out
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
@@ -107,8 +114,16 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
             raise unavailable(f"cannot run {cxx}: {exc}") from None
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
-            raise unavailable(f"{cxx} failed building {source.name}: {proc.stderr.strip()[-2000:]}")
-        tmp.replace(out)
+            if "No space left on device" in proc.stderr:
+                raise unavailable(unusable.format("No space left on device"))
+            lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
+            raise unavailable(f"{cxx} failed building {source.name}: {' / '.join(lines[-3:])[-600:]}")
+        try:
+            tmp.replace(out)
+        except OSError as exc:
+            raise unavailable(unusable.format(exc.strerror or exc)) from None
+    finally:
+        lock.release()
     return out
 
 

@@ -29,8 +29,9 @@ def snapshot_path(request) -> Path:
 
 # -- the GPU route's coverage (tests/gpu_route.py) --------------------------------------------------------------
 def pytest_configure(config) -> None:
-    """Before xdist starts its workers (they inherit the environment): a directory for the measured processes'
-    coverage data and coverage.py's settings, unless coverage.py is missing or this is a worker."""
+    """Before xdist starts its workers (they inherit the environment): the directory for the measured processes'
+    coverage data (made by the first measured test, so a session that measures nothing leaves none), unless
+    coverage.py is missing or this is a worker."""
     import gpu_route
 
     if hasattr(config, "workerinput") or gpu_route.data_dir() is not None:
@@ -39,10 +40,10 @@ def pytest_configure(config) -> None:
         import coverage  # noqa: F401
     except ImportError:
         return
+    import secrets
     import tempfile
 
-    d = Path(tempfile.mkdtemp(prefix="rlhfmem-gpu-route-coverage-"))
-    (d / "coveragerc").write_text(gpu_route.config_text(d))
+    d = Path(tempfile.gettempdir()) / f"rlhfmem-gpu-route-coverage-{secrets.token_hex(6)}"
     os.environ[gpu_route.ENV_DIR] = str(d)
     config.stash[_GPU_ROUTE_DIR] = d
 
@@ -65,7 +66,12 @@ def _gpu_route_coverage(request):
     if coverage.Coverage.current() is not None:  # the whole session is measured already: leave it be
         yield
         return
+    d.mkdir(exist_ok=True)
     rc = str(d / "coveragerc")
+    if not (d / "coveragerc").exists():
+        tmp = d / f"coveragerc.{os.getpid()}"
+        tmp.write_text(gpu_route.config_text(d))
+        tmp.replace(d / "coveragerc")
     cov = coverage.Coverage(config_file=rc, data_suffix=True)
     before = os.environ.get("COVERAGE_PROCESS_START")
     os.environ["COVERAGE_PROCESS_START"] = rc
@@ -89,7 +95,7 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     import gpu_route
 
     d = config.stash.get(_GPU_ROUTE_DIR, None)
-    if d is None:
+    if d is None or not d.is_dir():
         return
     try:
         if any(p.name.startswith(".coverage.") for p in d.iterdir()):

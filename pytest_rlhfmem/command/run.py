@@ -219,16 +219,16 @@ def sim_dist_library() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def recorder_library() -> str | None:
+def recorder_library() -> str:
     """Build the CPU allocation recorder once (``cbuild.py``: cached, under its file lock) and return its shared
-    library's path, or ``None`` where it cannot be built (the ranks then fall back to torch.profiler, and their
-    results say so). Loads torch in this process, once per process."""
+    library's path. Raises :class:`CommandError` (one line: why, and where the build cache is) where it cannot be
+    built: no other backend measures a CPU capture in its place. Loads torch in this process, once per process."""
     from ..record.cpu_recorder import load_recorder
 
     try:
         return load_recorder().__file__
-    except RuntimeError:
-        return None
+    except RuntimeError as exc:
+        raise CommandError(f"device cpu: {exc}") from None
 
 
 def run_command(command: Sequence[str] | str, id: str, world_size: int | None = None,  # noqa: A002

@@ -24,8 +24,9 @@ def _load_module(path: str):
 
 
 def load_recorder():
-    """The extension module (``install``, ``start``, ``mark``, ``stop``). Raises ``RuntimeError`` if it
-    cannot be built here (no compiler): callers fall back to torch.profiler."""
+    """The extension module (``install``, ``start``, ``mark``, ``stop``). Raises ``RuntimeError`` (one line) if it
+    cannot be built or loaded here (no compiler, an unusable build cache): a CPU capture then fails saying so,
+    never measuring another way."""
     global _ext
     import os
 
@@ -36,7 +37,7 @@ def load_recorder():
         try:
             path = build_library(SOURCE, RuntimeError, ("-O2", "-shared", "-fPIC", *torch_abi_flags()),
                                  python_module=True)
-        except RuntimeError as exc:  # any build failure means: use the fallback
-            raise RuntimeError(f"cannot build the CPU allocation recorder: {exc}") from exc
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot build the CPU allocation recorder: {exc}") from None
         _ext = _load_module(str(path))
     return _ext

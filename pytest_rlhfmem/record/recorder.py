@@ -12,9 +12,9 @@
 - CPU: a recording wrapper around PyTorch's CPU allocator (``cpu_recorder.py``) logs every allocation
   and free (pointer, requested bytes) from every thread, from before the first model is built, with
   markers (phase starts, flushes, placement annotations) in the same ordered buffer. Where it cannot be
-  built, ``torch.profiler.profile(profile_memory=True)`` is the fallback; it sees only the main thread,
-  so frees done on communication threads are missed (``capture_backend`` in every result says which).
-  Either trace is replayed through the allocator model: every figure derived from it is *simulated*.
+  built or loaded, the rank fails saying why: no other backend measures in its place (torch.profiler,
+  once the fallback, sees the main thread only and gave other figures without a word). The trace is
+  replayed through the allocator model: every figure derived from it is *simulated*.
 
 Placement annotations (the second trap of ``ARCHITECTURE.md``): on a CPU run a move to host is a no-op
 and host-resident state (DeepSpeed's offloaded optimizer states, ColossalChat's reference/reward models
@@ -47,7 +47,6 @@ from ..memory.trace import (
     PHASE_END, POOL_ENTER, POOL_EXIT, Event, Trace, trace_from_snapshot,
 )
 
-_MARK = "rlhfmem::mark::"
 # CUDA: the record_function names of the phase/flush marks (``<prefix><index into Recorder._phase_marks_us>``)
 # and of the bounds of the program's own history windows (CudaHistory), in the snapshot's external_annotations
 CUDA_MARK = "rlhfmem::cuda_mark::"
@@ -113,7 +112,6 @@ class Recorder:
     host_bytes_annotated: int = 0
     frees_on_other_threads: tuple = (0, 0, [])  # (count, bytes, largest): frees done by other threads
     _marks: list[tuple[str, object]] = field(default_factory=list)
-    _prof: object = None
     _ext: object = None
     backend: str = ""
     _phase_marks_us: list[tuple[str, int, str]] = field(default_factory=list)  # CUDA: (kind, wall time_us, name)
@@ -146,25 +144,19 @@ class Recorder:
             self.backend = getattr(self.row_source, "backend", "row source")
             self.cuda_emulation = None
             self._ext.start()
-        else:
-            try:
-                from .cpu_recorder import load_recorder
+        else:  # RuntimeError (one line) where the recorder cannot be built, loaded or installed
+            from .cpu_recorder import load_recorder
 
-                ext = load_recorder()
-                if not ext.install():
-                    raise RuntimeError("the current CPU allocator cannot be wrapped")
-                self._ext = ext
-                self.backend = "rlhfmem CPU allocator recorder (all threads)"
-                ext.start()
-                if self.cuda_emulation is not None:
-                    self._op_mode = emulation.marker_mode(self._mark)
-                    self._op_mode.__enter__()
-            except RuntimeError:
-                from torch.profiler import ProfilerActivity, profile
-
-                self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-                self._prof.__enter__()
-                self.backend = "torch.profiler profile_memory (main thread only)"
+            ext = load_recorder()
+            if not ext.install():
+                raise RuntimeError("the CPU allocation recorder cannot wrap the current CPU allocator (another "
+                                   "wrapper installed first?): nothing would measure this rank's allocations")
+            self._ext = ext
+            self.backend = "rlhfmem CPU allocator recorder (all threads)"
+            ext.start()
+            if self.cuda_emulation is not None:
+                self._op_mode = emulation.marker_mode(self._mark)
+                self._op_mode.__enter__()
         if self.root is not None:
             self._mark(PHASE, self.root)
 
@@ -190,11 +182,6 @@ class Recorder:
         self._marks.append((kind, payload))
         if self._ext is not None:
             self._ext.mark(k)
-            return
-        from torch.profiler import record_function
-
-        with record_function(f"{_MARK}{k}"):
-            pass
 
     @property
     def current_phase(self) -> str:
@@ -355,36 +342,14 @@ class Recorder:
         return emulation.capture_description(applied)
 
     def _stop_cpu(self) -> Trace:
-        if self._ext is not None:
-            if self._op_mode is not None:
-                self._op_mode.__exit__(None, None, None)
-                self._op_mode = None
-            rows = self._ext.stop().tolist()
-            self._ext = None
-            if self.keep_raw_rows:
-                self.raw_rows = rows
-            return self.trace_from_rows(rows, self.cuda_emulation)
-        from torch._C._profiler import _EventType
-
-        prof = self._prof
-        prof.__exit__(None, None, None)
-        tree = prof.profiler.kineto_results.experimental_event_tree()
-        items: list[tuple[int, int, int, int, int]] = []  # (time_ns, seq, kind 0=alloc 1=mark, a, b)
-        stack = list(reversed(tree))
-        seq = 0
-        while stack:
-            node = stack.pop()
-            seq += 1
-            if node.tag == _EventType.Allocation:
-                f = node.extra_fields
-                if f.alloc_size != 0 and str(f.device) == "cpu":
-                    items.append((node.start_time_ns, seq, 0, f.ptr, f.alloc_size))
-            elif node.name.startswith(_MARK):
-                items.append((node.start_time_ns, seq, 1, int(node.name[len(_MARK):]), 0))
-            stack.extend(reversed(node.children))
-        items.sort()
-        self._prof = None
-        return Trace(events=self.cpu_events(items), capture=CAPTURE_CPU_SIMULATED, source=self.backend)
+        if self._op_mode is not None:
+            self._op_mode.__exit__(None, None, None)
+            self._op_mode = None
+        rows = self._ext.stop().tolist()
+        self._ext = None
+        if self.keep_raw_rows:
+            self.raw_rows = rows
+        return self.trace_from_rows(rows, self.cuda_emulation)
 
     def trace_from_rows(self, rows: list, cuda_emulation: emulation.EmulationSettings | None) -> Trace:
         """The device trace of recorder rows ``(time_ns, ptr, size, kind, on_main)``, CUDA-emulated as
@@ -436,7 +401,7 @@ class Recorder:
         return len(out), sum(s for s, _ in out), [{"bytes": s, "phase": p} for s, p in out[:5]]
 
     def cpu_events(self, items: list[tuple[int, int, int, int, int]]) -> list[Event]:
-        """Turn sorted profiler items into device events, applying the placement annotations."""
+        """Turn sorted recorder items into device events, applying the placement annotations."""
         stream = EventStream(self._marks)
         stream.feed(items)
         return [e for e in stream.out if e is not None]
@@ -444,7 +409,7 @@ class Recorder:
     def figures_so_far(self) -> dict | None:
         """CPU and ``cuda-sim`` recording: the simulated device figures of the trace recorded up to now (bytes;
         :class:`SoFar`), advanced from the previous call by the rows since; ``None`` where nothing can be read
-        while recording (CUDA, the profiler fallback, capture off) or before :meth:`start`."""
+        while recording (CUDA, capture off) or before :meth:`start`."""
         if self.device not in ("cpu", "cuda-sim") or self._ext is None:
             return None
         if self._so_far is None:

@@ -182,6 +182,12 @@ def _plot(args: argparse.Namespace) -> int:
         raise CliError("plot takes one result, or two to overlay")
     if not args.output.strip() or Path(args.output).name in ("", ".", ".."):
         raise CliError(f"-o/--output {args.output!r}: a file name is needed (e.g. -o figure1.png)")
+    from .outputs import OutputError, check_file
+
+    try:  # a directory, a path under a file or a place that cannot be written: before the results are read
+        check_file(args.output, "-o/--output")
+    except OutputError as exc:
+        raise CliError(str(exc)) from None
     try:
         results = [load_result(p, args.scenario) for p in args.results]
     except ReportInputError as exc:

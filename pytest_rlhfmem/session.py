@@ -49,6 +49,8 @@ class BudgetVerdict:
 
 
 _REQUIRE_FAIL = pytest.StashKey[str]()
+OUTPUT_FILES = (("rlhfmem_json", "--rlhfmem-json"), ("rlhfmem_report", "--rlhfmem-report"),
+                ("rlhfmem_benchmark_json", "--rlhfmem-benchmark-json"))
 
 
 class RlhfmemSession:
@@ -67,6 +69,7 @@ class RlhfmemSession:
         self.unfinished_modules: set[str] = set()
         self._devices: list[CudaDevice] | None = None
         self.work_dirs: dict[str, bool] = {}  # each run's work directory -> whether the run succeeded
+        self.lost_outputs: list[str] = []  # outputs that could not be written at the end, one line each
         self.kept_work: list[str] = []
 
     @classmethod
@@ -77,6 +80,15 @@ class RlhfmemSession:
         could start)."""
         for dest in ("gpu_marker", "rlhfmem_device", "rlhfmem_timeout", "rlhfmem_time_rounds"):
             option_value(config, dest)  # validate ini values early: a bad one is a usage error
+        if not hasattr(config, "workerinput"):  # the session's output files, checked before any test (outputs.py)
+            from .outputs import OutputError, check_dir, check_file
+
+            try:
+                for dest, option in OUTPUT_FILES:
+                    check_file(option_value(config, dest), option)
+                check_dir(option_value(config, "rlhfmem_snapshots"), "--rlhfmem-snapshots")
+            except OutputError as exc:
+                raise pytest.UsageError(str(exc)) from None
         session = cls(config)
         if option_value(config, "rlhfmem_device") == "cuda" and not session.devices:
             from .rlhf.launch import no_cuda_device  # imported only here: the plugin loads fast
@@ -286,11 +298,27 @@ class RlhfmemSession:
         if out:
             from .memory.trace_io import write_result_json
 
-            # each rank's trace beside the JSON, for rlhfmem advise
-            write_result_json(out, self.session_json(), self.results)
-        write_session_outputs(self, option_value(self.config, "rlhfmem_report"),
-                              option_value(self.config, "rlhfmem_benchmark_json"))
+            try:  # each rank's trace beside the JSON, for rlhfmem advise
+                write_result_json(out, self.session_json(), self.results)
+            except OSError as exc:  # the disk filled during the session: the results are kept elsewhere
+                self._lost_output("--rlhfmem-json", out, exc, json.dumps(self.session_json(), indent=1))
+        try:
+            write_session_outputs(self, option_value(self.config, "rlhfmem_report"),
+                                  option_value(self.config, "rlhfmem_benchmark_json"))
+        except OSError as exc:
+            self._lost_output("--rlhfmem-report/--rlhfmem-benchmark-json", exc.filename or "", exc, None)
+        if self.lost_outputs:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         self.kept_work = self.finish_work()
+
+    def _lost_output(self, option: str, path: str, exc: OSError, text: str | None) -> None:
+        """An output that could not be written at the session's end: one line for the summary, the text kept in a
+        file of the temporary directory where there is one (``outputs.keep``), the work directories kept."""
+        from .outputs import keep
+
+        where = f"; it is in {keep(text, Path(path).name or 'results.json')}" if text is not None else ""
+        self.lost_outputs.append(f"{option} {path}: cannot be written ({exc.strerror or exc}){where}")
+        self.work_dirs = {d: False for d in self.work_dirs}  # the traces the lost file pointed at stay
 
     def session_json(self) -> dict:
         return {"schema": 1, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -29,6 +29,7 @@ class SummarySource(Protocol):
     update_summaries: list[UpdateSummary]  # budget files written under --rlhfmem-update-baselines
     update_errors: list[str]  # budget files NOT written, one line each
     kept_work: list[str]  # work directories left in place
+    lost_outputs: list[str]  # outputs that could not be written at the end, one line each (where they went)
 
     def baselines_dir(self) -> Path: ...
 
@@ -69,6 +70,8 @@ def write_terminal_summary(tr: pytest.TerminalReporter, s: SummarySource) -> Non
     entries; an unreadable one is passed over (:meth:`SummarySource.stale_entries`)."""
     for d in s.kept_work:
         tr.write_line(f"rlhfmem: work directory kept: {d}")
+    for line in s.lost_outputs:
+        tr.write_line(f"rlhfmem: {line}", red=True)
     if not (s.results or s.update_summaries):
         return
     tr.section("rlhfmem: memory per scenario")

@@ -61,6 +61,7 @@ class Source:
     update_summaries: list[UpdateSummary] = field(default_factory=list)
     update_errors: list[str] = field(default_factory=list)
     kept_work: list[str] = field(default_factory=list)
+    lost_outputs: list[str] = field(default_factory=list)
     stale: dict[str, list[str]] = field(default_factory=dict)
     baselines: Path | None = None
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..errors import CliError
 from ..memory.allocator import AllocatorConfigError
 from ..memory.replay_types import MAX_REPLAY_BYTES, ReplayError
+from ..outputs import OutputError, check_file, keep
 from ..units import format_size, parse_size
 from .candidates import DEFAULT_MAX_FLUSHES
 from .evaluation import ReplayWorkerDied
@@ -69,6 +71,11 @@ def _size(high: int):  # noqa: ANN202 - an argparse type
 
 
 def _cli(args) -> int:  # noqa: ANN001
+    try:  # before the replays: a path that cannot be written is known now, not after minutes of work
+        check_file(args.json_out, "--json")
+        check_file(args.md_out, "--md")
+    except OutputError as exc:
+        raise CliError(str(exc)) from None
     try:
         doc = advise(args.input, max_flushes=args.max_flushes, budget=args.budget, capacity=args.capacity,
                      processes=args.processes, settings=tuple(args.setting))
@@ -76,10 +83,21 @@ def _cli(args) -> int:  # noqa: ANN001
         raise CliError(str(exc)) from None
     for line in text_lines(doc, args.top):
         print(line)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(doc, indent=1))
-    if args.md_out:
-        Path(args.md_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md_out).write_text(markdown(doc, args.top))
-    return 0
+    lost = [line for option, path, text in (("--json", args.json_out, lambda: json.dumps(doc, indent=1)),
+                                            ("--md", args.md_out, lambda: markdown(doc, args.top)))
+            if path and (line := _write_or_keep(option, path, text()))]
+    for line in lost:
+        print(line, file=sys.stderr)
+    return 1 if lost else 0
+
+
+def _write_or_keep(option: str, path: str, text: str) -> str | None:
+    """Write ``text`` to ``path``; where that fails at the end, to a file of the temporary directory
+    (``outputs.keep``). Returns ``None``, or the line that says where the text went."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+        return None
+    except OSError as exc:
+        why = exc.strerror or exc
+        return f"rlhfmem: {option} {path}: cannot be written ({why}); it is in {keep(text, Path(path).name)}"

@@ -64,9 +64,8 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
 def _capture(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from ..results import IterationResult
-    from ..memory.trace_io import write_result_json
     from ..timing import run_rounds
-    from ..rlhf.cli_run import finish_runs, phase_table
+    from ..rlhf.cli_run import check_outputs, finish_runs, phase_table, write_json_or_keep
     from .run import SIMULATED_DEVICES, CommandError, default_id, plan_command, run_command
     from ..memory.driver_va import ENV_SEGMENT_PLACEMENT, SegmentPlacement
     from ..simcuda.library import ENV_SDPA
@@ -74,10 +73,7 @@ def _capture(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise CliError("no command given: rlhfmem capture [options] -- COMMAND [ARGS...]")
-    if args.timeout <= 0:
-        raise CliError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    if args.time_rounds < 1:
-        raise CliError(f"--time-rounds must be a positive integer, got {args.time_rounds}")
+    check_outputs(args)
     simulated_device = args.device in SIMULATED_DEVICES
     needs = f"it needs --device {' or '.join(SIMULATED_DEVICES)}, got --device {args.device}"
     if args.sdpa is not None and not simulated_device:
@@ -113,9 +109,8 @@ def _capture(args: argparse.Namespace) -> int:
     if placement:  # not the default: the figures depend on it (docs/allocator-model.md)
         label += f"; segments placed {placement}"
     print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
-    if args.json_out:
-        write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise
-    finish_runs(rounds, args.keep_work)
+    lost = write_json_or_keep(args.json_out, result) if args.json_out else None
+    finish_runs(rounds, args.keep_work or lost is not None)
     if result["status"] != "ok":
         print("FAILED: " + IterationResult(result).describe_failure())
         print(f"command output: {result['log']}")
@@ -123,4 +118,7 @@ def _capture(args: argparse.Namespace) -> int:
     for line in phase_table(result):
         print(line)
     print(f"peak reserved reached in phase: {result['peak_phase']}")
+    if lost:
+        print(lost, file=sys.stderr)
+        return 1
     return 0

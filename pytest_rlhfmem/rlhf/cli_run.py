@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..memory.events import capture_label
@@ -113,7 +115,7 @@ def add_measurement_arguments(p: argparse.ArgumentParser) -> None:
     (and the same meaning as the plugin's ``--rlhfmem-cuda-emulation`` / ``--rlhfmem-time-rounds``)."""
     p.add_argument("--cuda-emulation", choices=("on", "off"), default="on",
                    help="CPU runs: emulate CUDA's own allocations in the capture (default on; see docs/fidelity.md)")
-    p.add_argument("--time-rounds", type=int, default=1, metavar="N",
+    p.add_argument("--time-rounds", type=count(1), default=1, metavar="N",
                    help="run N times: the time is their median with its spread (memory figures: the first run's)")
 
 
@@ -122,6 +124,39 @@ def add_keep_work_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-work", action="store_true",
                         help="keep the run's work directory (ranks' files, launcher log); by default it is "
                              "removed after a run that succeeded, and kept, its path printed, after a failure")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` and ``--snapshot-dir`` of ``rlhfmem run``/``capture``, before anything runs (``outputs.py``). Raises
+    :class:`~pytest_rlhfmem.errors.CliError` (one line) for a path that cannot be written."""
+    from ..errors import CliError
+    from ..outputs import OutputError, check_dir, check_file
+
+    try:
+        check_file(args.json_out, "--json")
+        check_dir(args.snapshot_dir, "--snapshot-dir")
+    except OutputError as exc:
+        raise CliError(str(exc)) from None
+
+
+def write_json_or_keep(path: str, result: dict) -> str | None:
+    """``--json``'s result with each rank's trace beside it (``trace_io.write_result_json``); where that fails at
+    the end (the disk filled during the run), the result alone goes to a file of the temporary directory
+    (``outputs.keep``; its traces stay in the run's work directory, which is then kept). Returns ``None`` when
+    ``path`` was written, else the one line that says where the result is."""
+    import json
+
+    from ..memory.trace_io import write_result_json
+    from ..outputs import keep
+
+    try:
+        write_result_json(path, result, [result])  # each rank's trace beside it, for rlhfmem advise
+        return None
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    kept = keep(json.dumps(result, indent=1), Path(path).name)
+    return (f"rlhfmem: --json {path}: cannot be written ({why}); the result is in {kept}, its traces in the work "
+            f"directory {result.get('work_dir')}")
 
 
 def finish_runs(results: list[dict], keep: bool) -> None:
@@ -162,6 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..timing import run_rounds
     from .scenario import Scenario, ScenarioError
 
+    check_outputs(args)
     overrides = {"batch_size": args.batch_size} if args.batch_size is not None else {}
     if args.dtype:
         overrides["dtype"] = args.dtype
@@ -198,11 +234,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"host figures measured, not simulated: peak RSS by {host.get('rss_method')}; "
               f"anonymous RSS: {host.get('anon_method')}; "
               f"pinned: {host.get('pinned_method')}")
-    if args.json_out:
-        from ..memory.trace_io import write_result_json
-
-        write_result_json(args.json_out, result, [result])  # each rank's trace beside it, for rlhfmem advise
-    finish_runs(rounds, args.keep_work)
+    lost = write_json_or_keep(args.json_out, result) if args.json_out else None
+    finish_runs(rounds, args.keep_work or lost is not None)
     if result["status"] != "ok":
         from ..results import IterationResult
 
@@ -211,4 +244,7 @@ def _run(args: argparse.Namespace) -> int:
     for line in phase_table(result):
         print(line)
     print(f"peak reserved reached in phase: {result['peak_phase']}")
+    if lost:
+        print(lost, file=sys.stderr)
+        return 1
     return 0

@@ -27,6 +27,18 @@ class Option:
     kind: str = "string"  # "string" | "bool" | "float" | "int" | "choice"
     default: Any = None
     choices: tuple[str, ...] = ()
+    minimum: float | None = None  # "float" / "int" rows: the least allowed value (finite numbers only)
+    exclusive: bool = False  # the minimum itself is not allowed
+
+    def allowed(self) -> str:
+        """The allowed values of a number row, in words."""
+        what = "a whole number" if self.kind == "int" else "a finite number"
+        return what + ("" if self.minimum is None else f" {'>' if self.exclusive else '>='} {self.minimum:g}")
+
+    def check(self, value: float) -> bool:
+        if value != value or value in (float("inf"), float("-inf")):
+            return False
+        return self.minimum is None or (value > self.minimum if self.exclusive else value >= self.minimum)
 
 
 OPTIONS = (
@@ -53,7 +65,7 @@ OPTIONS = (
            "(cuBLAS workspaces, host scalars, CPU kernel scratch) in the capture; results record it and budgets "
            "of another capture are refused as not comparable", "choice", "on", ("on", "off")),
     Option("--rlhfmem-timeout", "rlhfmem_timeout", "seconds one iteration (all ranks) may take before its "
-           "processes are killed and the test fails as hung", "float", 900.0),
+           "processes are killed and the test fails as hung", "float", 900.0, minimum=0, exclusive=True),
     Option("--rlhfmem-json", "rlhfmem_json", "write every result of the session (with budget verdicts) to this "
            "JSON file"),
     Option("--rlhfmem-snapshots", "rlhfmem_snapshots", "save each rank's trace as a memory_viz snapshot pickle in "
@@ -63,7 +75,7 @@ OPTIONS = (
     Option("--rlhfmem-benchmark-json", "rlhfmem_benchmark_json", "write github-action-benchmark "
            "customSmallerIsBetter JSON (one entry per scenario and metric, unit bytes)"),
     Option("--rlhfmem-time-rounds", "rlhfmem_time_rounds", "run each iteration N times: times become the "
-           "median with their spread (memory figures from the first round)", "int", 1),
+           "median with their spread (memory figures from the first round)", "int", 1, minimum=1),
     Option("--rlhfmem-advise", "rlhfmem_advise", "for a scenario over its budget, add rlhfmem advise's "
            "recommendation (from the run's own trace) to the failure message and the report", "bool", False),
     Option("--rlhfmem-keep-work", "rlhfmem_keep_work", "keep each run's work directory (ranks' files, launcher "
@@ -80,15 +92,20 @@ def option_value(config: pytest.Config, dest: str) -> Any:
     o = next(x for x in OPTIONS if x.dest == dest)
     v = config.getoption(dest)
     if v is not None:
+        if o.kind in ("float", "int") and not o.check(v):
+            raise pytest.UsageError(f"{o.flag}={v!r}: allowed values are {o.allowed()}")
         return v
     v = config.getini(dest)
     if v in (None, ""):
         return o.default
     if o.kind in ("float", "int"):
         try:
-            return float(v) if o.kind == "float" else int(v)
+            number = float(v) if o.kind == "float" else int(v)
         except ValueError:
-            raise pytest.UsageError(f"ini option {dest} = {v!r}: expected a number") from None
+            raise pytest.UsageError(f"ini option {dest} = {v!r}: expected {o.allowed()}") from None
+        if not o.check(number):
+            raise pytest.UsageError(f"ini option {dest} = {v!r}: allowed values are {o.allowed()}")
+        return number
     if o.choices and v not in o.choices:
         raise pytest.UsageError(f"ini option {dest} = {v!r}: allowed values are {', '.join(o.choices)}")
     return v

@@ -96,3 +96,18 @@ def test_bad_ini_value_is_a_usage_error(pytester):
     result = pytester.runpytest_subprocess()
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*gpu_marker = 'sometimes': allowed values are auto, skip, require*"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rlhfmem-timeout=-5"], "ERROR: --rlhfmem-timeout=-5.0: allowed values are a finite number > 0"),
+    (["--rlhfmem-timeout=nan"], "ERROR: --rlhfmem-timeout=nan: allowed values are a finite number > 0"),
+    (["--rlhfmem-timeout=0"], "ERROR: --rlhfmem-timeout=0.0: allowed values are a finite number > 0"),
+    (["--rlhfmem-time-rounds=0"], "ERROR: --rlhfmem-time-rounds=0: allowed values are a whole number >= 1"),
+    (["-o", "rlhfmem_timeout=inf"],
+     "ERROR: ini option rlhfmem_timeout = 'inf': allowed values are a finite number > 0"),
+])
+def test_a_number_out_of_range_is_a_usage_error_before_any_test(pytester, args, message):
+    pytester.makepyfile("def test_x():\n    assert True\n")
+    r = pytester.runpytest_subprocess(*args)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines([message])

@@ -78,6 +78,9 @@ OPTIONS = (
            "median with their spread (memory figures from the first round)", "int", 1, minimum=1),
     Option("--rlhfmem-advise", "rlhfmem_advise", "for a scenario over its budget, add rlhfmem advise's "
            "recommendation (from the run's own trace) to the failure message and the report", "bool", False),
+    Option("--rlhfmem-kill-leftovers", "rlhfmem_kill_leftovers", "stop the processes a run leaves behind once it "
+           "ended (a daemon the program double-forked); by default they are named in a warning and left running",
+           "bool", False),
     Option("--rlhfmem-keep-work", "rlhfmem_keep_work", "keep each run's work directory (ranks' files, launcher "
            "log, traces); by default it is removed at the session's end once its traces are stored beside "
            "--rlhfmem-json, and kept, its path printed, when the run failed", "bool", False),

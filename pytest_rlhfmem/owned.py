@@ -38,8 +38,10 @@ RUN_ENTRIES = (
     "trace-rank*",  # each rank's trace
     "claim-rank*",  # a command's rank claim (command/rank.py)
     "node[0-9]*",  # a multi-node agent's log and report
+    "leftover-processes.json",  # processes of the run still alive after it ended (LEFTOVERS)
     MADE_MARK,
 )
+LEFTOVERS = "leftover-processes.json"
 
 TOKEN_PREFIX = "RLHFMEM_RUN_"  # + token: the environment variable every process of a run carries (value "1")
 
@@ -140,3 +142,40 @@ def is_run_process(pid: object, token: str, not_before: int | None) -> bool:
     except OSError:
         return False
     return f"{TOKEN_PREFIX}{token}=1".encode() in environ
+
+
+def run_processes(token: str, not_before: int | None) -> list[tuple[int, str]]:
+    """The live processes of the run whose token is ``token`` (:func:`is_run_process`), each ``(pid, command
+    line)``: after the run's command ended and its ranks' groups were killed, the ones its program left behind (a
+    daemon that double-forked into a session of its own)."""
+    found = []
+    for d in Path("/proc").glob("[0-9]*"):
+        pid = int(d.name)
+        if is_run_process(pid, token, not_before):
+            try:
+                cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            found.append((pid, cmdline))
+    return sorted(found)
+
+
+def stop_processes(pids: list[int], token: str, not_before: int | None, grace: float = 3.0) -> None:
+    """SIGTERM to each of ``pids`` that is still a process of the run, then after ``grace`` seconds SIGKILL to those
+    alive (each verified again before it is signalled: a pid freed meanwhile is not touched)."""
+    import signal
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in pids if is_run_process(p, token, not_before)]
+        for p in alive:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        t_end = time.monotonic() + grace
+        while alive and time.monotonic() < t_end:
+            time.sleep(0.05)
+            alive = [p for p in alive if is_run_process(p, token, not_before)]
+        if not alive:
+            return

@@ -51,14 +51,14 @@ class IterationResult:
     def describe_failure(self) -> str:
         """One paragraph: which rank failed in which phase, why, and the memory up to then: the device peaks
         (``simulated`` on CPU and cuda-sim, as the failure says) and, for a rank that left no result (killed,
-        hung), its progress file's figures: the device peaks at the start of its last phase and its host RSS
-        (measured). Sizes in human units (GiB, MiB)."""
+        hung), its progress file's figures: the device peaks and its host RSS (measured) of its last report, at its
+        last phase change or heartbeat (record/rank.py: every 5 s). Sizes in human units (GiB, MiB)."""
         f = self.data.get("failure") or {}
         mem = dict(f.get("memory_so_far") or {})
         rss = mem.pop("host_rss", None)  # a rank without a result: its progress file's host RSS, always measured
         mem_s = ", ".join(f"{k.replace('_', ' ')} {format_size(v)}" for k, v in mem.items() if v is not None)
         if rss is not None:
-            at = f" (at the start of phase {f.get('phase')!r}); " if mem_s else ""
+            at = f" (its last report, in phase {f.get('phase')!r}); " if mem_s else ""
             mem_s += f"{at}host RSS {format_size(rss)}"
             mem_s += " (measured)" if f.get("simulated") else ""
         label = " (simulated)" if f.get("simulated") else ""

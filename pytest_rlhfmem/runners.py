@@ -9,6 +9,7 @@ the command runner) happen on the first call, so loading the plugin stays fast.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 
 import pytest
 
+from .errors import RlhfmemWarning
 from .options import option_value
 from .results import IterationResult
 from .session import RlhfmemSession
@@ -66,7 +68,12 @@ class _Runner:
             bad = None
         if bad:  # outside the except block: one message, no chained traceback
             pytest.fail(bad, pytrace=False)
+        from .rlhf.launch import leftover_warning
+
         result = IterationResult(data)
+        left = leftover_warning(data)
+        if left:  # the program's own processes outlived the run: named where pytest lists warnings
+            warnings.warn(RlhfmemWarning(left), stacklevel=3)
         self.session.record(self.request.node.nodeid, result)
         if not result.ok:
             pytest.fail(result.describe_failure(), pytrace=False)
@@ -99,7 +106,8 @@ class IterationRunner(_Runner):
         def start(work: Path, snapshots: str | None) -> dict:
             return run_scenario(scenario, device=where,
                                 timeout=self.option("rlhfmem_timeout"), snapshot_dir=snapshots, work_dir=work,
-                                cuda_emulation=self.option("rlhfmem_cuda_emulation"))
+                                cuda_emulation=self.option("rlhfmem_cuda_emulation"),
+                                kill_leftovers=bool(self.option("rlhfmem_kill_leftovers")))
 
         return self._run("rlhfmem-run", start, ScenarioError)
 
@@ -120,6 +128,7 @@ class CommandRunner(_Runner):
             return run_command(cmd, id, world_size=world_size, device=device or self.option("rlhfmem_device"),
                                timeout=timeout or self.option("rlhfmem_timeout"), snapshot_dir=snapshots,
                                work_dir=work, env=env, cwd=cwd,
-                               cuda_emulation=self.option("rlhfmem_cuda_emulation") or "on")
+                               cuda_emulation=self.option("rlhfmem_cuda_emulation") or "on",
+                               kill_leftovers=bool(self.option("rlhfmem_kill_leftovers")))
 
         return self._run("rlhfmem-command", start, CommandError, f"rlhfmem_command({id!r}): ")

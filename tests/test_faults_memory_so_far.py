@@ -14,6 +14,7 @@ from pathlib import Path
 import textwrap
 
 import pytest
+from helpers import rlhfmem_cli
 import yaml
 
 from pytest_rlhfmem.record import emulation
@@ -108,7 +109,7 @@ def test_a_captured_rank_killed_by_sigkill_shows_its_simulated_device_figures_so
     mem = next(ln for ln in p.stdout.splitlines() if "memory so far" in ln)
     # was: "memory so far: host rss 312.45 MiB" (no device figure)
     assert mem.strip().startswith("memory so far (simulated): peak reserved "), p.stdout
-    assert ", peak allocated 4.00 MiB (at the start of phase 'train_actor'); host RSS " in mem, p.stdout
+    assert ", peak allocated 4.00 MiB (its last report, in phase 'train_actor'); host RSS " in mem, p.stdout
     assert mem.rstrip().endswith(" (measured)"), p.stdout
 
 
@@ -141,9 +142,22 @@ def test_a_rank_killed_in_train_actor_leaves_its_simulated_device_figures(tmp_pa
     failed = next(ln for ln in out.splitlines() if ln.startswith("FAILED: "))
     assert f"{SCENARIO}: rank 1 failed in phase 'train_actor': Crash: killed by SIGKILL" in failed, out
     assert "memory so far (simulated): peak reserved " in out, out  # was: "memory so far: host rss ..."
-    assert "(at the start of phase 'train_actor'); host RSS " in out, out
+    assert "(its last report, in phase 'train_actor'); host RSS " in out, out
     so_far = json.loads((tmp_path / "out.json").read_text())["failure"]["memory_so_far"]
     assert 0 < so_far["peak_allocated"] <= so_far["peak_reserved"], so_far
     assert so_far["peak_reserved"] <= _budget("peak_reserved"), (so_far, _budget("peak_reserved"))
     assert so_far["peak_allocated"] <= _budget("peak_allocated"), (so_far, _budget("peak_allocated"))
     assert killed["simulated"] is True and killed["device_rows"] > 0, killed
+
+
+def test_a_phaseless_command_that_hangs_is_named_in_its_root_window_with_what_it_held(tmp_path):
+    """Issue 47 item 9: a rank without phases is in the capture's root window ('run'), not 'startup', and its
+    progress file is rewritten every few seconds (record/rank.py: the heartbeat), so a hang long after its last
+    phase change reports what it holds when it hangs."""
+    script = tmp_path / "holds.py"
+    script.write_text("import time, torch\nweights = torch.zeros(1 << 22)\ntime.sleep(300)\n")
+    r = rlhfmem_cli("capture", "--device", "cpu", "--timeout", "15", "--", sys.executable, str(script), cwd=tmp_path,
+                    env={"TMPDIR": str(tmp_path)})
+    assert r.returncode == 1, r.stderr
+    assert "rank 0 failed in phase 'run': Hang: hung: no result after the 15 s timeout" in r.stdout, r.stdout
+    assert "peak allocated 16.00 MiB (its last report, in phase 'run'); host RSS " in r.stdout, r.stdout

@@ -185,3 +185,55 @@ def test_a_shared_directory_one_agent_made_is_removed_by_node_rank_0(tmp_path):
     (work / "result-rank0.json").write_text("{}")
     remove_work(work, created)
     assert sorted(p.name for p in shared.iterdir()) == ["users.txt"]
+
+
+DAEMON = """
+import os, torch
+x = torch.zeros(1 << 16)
+if os.fork() == 0:  # a daemon: double-forked into a session of its own, out of the rank's process group
+    os.setsid()
+    if os.fork() == 0:
+        os.execvp("sleep", ["sleep", "120"])
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_a_daemon_the_program_leaves_is_named_and_stopped_only_when_asked(tmp_path, kill):
+    script = tmp_path / "daemon.py"
+    script.write_text(DAEMON)
+    args = ["capture", "--device", "cpu", *(["--kill-leftovers"] if kill else []), "--", sys.executable, str(script)]
+    r = rlhfmem_cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("rlhfmem: warning: the command left"))
+    pid = int(line.split("pid ")[1].split()[0])
+    assert "(sleep 120)" in line
+    try:
+        if kill:
+            assert line.endswith("stopped (--kill-leftovers)") and start_ticks(pid) is None
+        else:
+            assert line.endswith("left running: rerun with --kill-leftovers (the fixtures: --rlhfmem-kill-leftovers) "
+                                 "to stop them")
+            assert start_ticks(pid) is not None  # the program's own: not the tool's to stop unasked
+    finally:
+        if start_ticks(pid) is not None:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_runs_jit_build_batons_are_cleared_and_older_ones_kept(tmp_path):
+    """A rank killed while loading a JIT op holds torch's FileBaton ``lock``; every later load would wait on it for
+    ever. After a cut run, the locks made since it began go; an older one (another run's, still held) stays."""
+    import time as _time
+
+    from pytest_rlhfmem.rlhf.launch import clear_stale_batons
+
+    started = _time.time()
+    fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    older = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    for lock in (fresh, older):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    os.utime(older, (started - 3600, started - 3600))
+    (tmp_path / "py311_cpu" / "cpu_adam" / "cpu_adam.so").write_bytes(b"\x7fELF")
+    assert clear_stale_batons({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, started) == [fresh]
+    assert not fresh.exists() and older.exists()

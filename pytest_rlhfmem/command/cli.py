@@ -20,7 +20,7 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
               "[--sdpa math|efficient] [--sim-values on|off] [--segment-placement SPEC] [--snapshot-dir DIR] "
               "[--timeout S] [--id ID] "
               "[--cuda-emulation on|off] [--time-rounds N] "
-              "[--keep-work] -- COMMAND [ARGS...]")
+              "[--keep-work] [--kill-leftovers] -- COMMAND [ARGS...]")
     ws = c.add_mutually_exclusive_group()
     ws.add_argument("--world-size", type=int, default=None, help="ranks (wraps a plain command in torchrun)")
     ws.add_argument("--nproc-per-node", type=int, default=None, help="same as --world-size (one node)")
@@ -65,7 +65,7 @@ def _capture(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from ..results import IterationResult
     from ..timing import run_rounds
-    from ..rlhf.cli_run import check_outputs, finish_runs, phase_table, write_json_or_keep
+    from ..rlhf.cli_run import check_outputs, finish_runs, phase_table, warn_leftovers, write_json_or_keep
     from .run import SIMULATED_DEVICES, CommandError, default_id, plan_command, run_command
     from ..memory.driver_va import ENV_SEGMENT_PLACEMENT, SegmentPlacement
     from ..simcuda.library import ENV_SDPA
@@ -98,6 +98,7 @@ def _capture(args: argparse.Namespace) -> int:
         return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                            device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
                            cuda_emulation=args.cuda_emulation, env=env or None, sim_values=args.sim_values,
+                           kill_leftovers=args.kill_leftovers,
                            on_progress=lambda line: print(line, file=sys.stderr, flush=True))
 
     try:
@@ -111,6 +112,7 @@ def _capture(args: argparse.Namespace) -> int:
     print(f"{ident} on {result['device']} x{result['world_size']} ({label})")
     lost = write_json_or_keep(args.json_out, result) if args.json_out else None
     finish_runs(rounds, args.keep_work or lost is not None)
+    warn_leftovers(rounds)
     if result["status"] != "ok":
         print("FAILED: " + IterationResult(result).describe_failure())
         print(f"command output: {result['log']}")

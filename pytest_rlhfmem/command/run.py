@@ -235,7 +235,8 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
                 nproc_per_node: int | None = None, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
                 env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on",
-                sim_values: str | None = None, on_progress: Callable[[str], None] | None = None) -> dict:
+                sim_values: str | None = None, on_progress: Callable[[str], None] | None = None,
+                kill_leftovers: bool = False) -> dict:
     """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
     ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
 
@@ -243,9 +244,11 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     memory so far (never an exception). ``env`` adds to this process's environment. ``cuda_emulation``
     (``on``/``off``) is the CPU capture's CUDA emulation (``record/emulation.py``), as for the recipes.
     ``on_progress(line)``, when given, gets a line every minute of a long run (elapsed seconds, each rank's phase:
-    ``rlhf/launch.py: progress_line``). ``sim_values`` (``on``/``off``; ``device="cuda-sim"`` only): whether the
-    simulated device computes values (``simcuda/library.py: values_mode``); default ``on`` unless ``env`` or this
-    environment sets ``$RLHFMEM_SIM_CUDA_VALUES``: a program's own control flow (stopping criteria, masks) needs
+    ``rlhf/launch.py: progress_line``). ``kill_leftovers``: stop the processes the command leaves behind (listed
+    either way, ``result["leftover_processes"]``: ``launch.run_process_group``). ``sim_values`` (``on``/``off``;
+    ``device="cuda-sim"`` only): whether the simulated device computes values (``simcuda/library.py: values_mode``);
+    default ``on`` unless ``env`` or this environment sets ``$RLHFMEM_SIM_CUDA_VALUES``: a program's own control flow
+    (stopping criteria, masks) needs
     values. Raises
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
     command that ended before any rank imported torch, or one whose ranks allocated no device memory
@@ -282,7 +285,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
         raise CommandError(str(exc)) from None
     try:
         return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd,
-                       on_progress) | {"work_dir_created": created}
+                       on_progress, kill_leftovers) | {"work_dir_created": created}
     except CommandError:
         remove_work(work, created)  # nothing was measured; the message quotes the command's last output line
         raise
@@ -290,7 +293,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
 
 def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002
             timeout: float, snapshot_dir: str | Path | None, env: dict | None, cwd: str | Path | None,
-            on_progress: Callable[[str], None] | None = None) -> dict:
+            on_progress: Callable[[str], None] | None = None, kill_leftovers: bool = False) -> dict:
     t0 = time.perf_counter()
     # the user's environment as it is (hubs online, their thread settings); on CPU CUDA hidden
     run_env = command_env("cpu" if device in SIMULATED_DEVICES else device)
@@ -323,7 +326,8 @@ def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, dev
     try:
         tick = None if on_progress is None else (lambda s: on_progress(progress_line(work, s, f"capture {id}")))
         returncode, timed_out = run_process_group(_with_log_dir(argv, work) if is_torchrun else argv, log_path,
-                                                  run_env, timeout, work, cwd=cwd, on_progress=tick)
+                                                  run_env, timeout, work, cwd=cwd, on_progress=tick,
+                                                  kill_leftovers=kill_leftovers)
     except OSError as exc:
         raise CommandError(f"cannot run {shlex.join(argv)}: {exc.strerror or exc}") from None
     started = sorted(work.glob("claim-rank*"))

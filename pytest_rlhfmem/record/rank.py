@@ -31,6 +31,7 @@ from .host import current_rss
 # (c10/core/impl/alloc_cpu.cpp: "DefaultCPUAllocator: can't allocate memory", "not enough memory").
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 ROOT_PHASE = "run"  # the window of allocations outside every phase (rlhfmem capture)
+HEARTBEAT_S = 5.0  # how often a rank rewrites its progress file between phase changes (RankCapture._heartbeat)
 
 
 RESULT_SCHEMA = 1
@@ -143,8 +144,14 @@ class RankCapture:
     rec: Any = None
     _t0: float = 0.0
     _progress: Path = field(init=False)
+    _lock: Any = field(init=False)  # progress() from the main thread (phases) and the heartbeat
+    _stop_beat: Any = field(init=False)
 
     def __post_init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._stop_beat = threading.Event()
         self.out_dir = Path(self.out_dir)
         self._progress = self.out_dir / f"progress-rank{self.rank}.json"
 
@@ -160,6 +167,10 @@ class RankCapture:
           the rows since the last phase change (:meth:`~.recorder.Recorder.figures_so_far`), and
           ``device_rows``, the recorder rows they cover. An error there leaves the figures out (the progress
           file is written regardless), naming it in ``device_figures_error``."""
+        with self._lock:
+            self._write_progress(phase)
+
+    def _write_progress(self, phase: str) -> None:
         prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
         if code_device(self.device) == "cuda":
             prog |= _cuda_peaks()
@@ -197,7 +208,20 @@ class RankCapture:
         self.rec.intercept_empty_cache()
         self.rec.intercept_history()  # CUDA: the program's own history calls cannot stop or resize ours
         api._activate(self.rec)
+        import threading
+
+        threading.Thread(target=self._heartbeat, name="rlhfmem-progress", daemon=True).start()
         return self.rec
+
+    def _heartbeat(self) -> None:
+        """Every :data:`HEARTBEAT_S` seconds until the rank finishes: the progress file rewritten with the phase the
+        rank is in and its figures so far, so a rank killed or hung long after its last phase change is named with
+        where it was and what it held then (not its last phase change's)."""
+        while not self._stop_beat.wait(HEARTBEAT_S):
+            try:
+                self.progress(self.rec.current_phase)
+            except Exception:  # noqa: BLE001 - the next beat, or the phase change, writes it again
+                pass
 
     def error_from(self, exc: BaseException, tb: str | None = None) -> dict:
         """A structured error: phase (innermost open one), type (``OOM`` for out-of-memory), message."""
@@ -222,6 +246,7 @@ class RankCapture:
         from . import api
 
         wall = time.perf_counter() - self._t0
+        self._stop_beat.set()
         api._activate(None)
         rec = self.rec
         exit_phase = rec.current_phase

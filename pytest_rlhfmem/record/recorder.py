@@ -159,6 +159,8 @@ class Recorder:
                 self._op_mode.__enter__()
         if self.root is not None:
             self._mark(PHASE, self.root)
+            if self.on_phase is not None:  # the root window is where the rank is now (its progress file says so)
+                self.on_phase(self.root)
 
     def stop(self) -> Trace:
         """Stop recording and return the device trace (phases, flushes, placement applied). Raises

@@ -120,7 +120,11 @@ def add_measurement_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_keep_work_argument(parser: argparse.ArgumentParser) -> None:
-    """``--keep-work`` of ``rlhfmem run`` and ``rlhfmem capture``."""
+    """``--keep-work`` and ``--kill-leftovers`` of ``rlhfmem run`` and ``rlhfmem capture``."""
+    parser.add_argument("--kill-leftovers", action="store_true",
+                        help="stop the processes the run leaves behind once it ended (a daemon the program "
+                             "double-forked; found by the run's token in their environment); by default they are "
+                             "named in a warning and left running")
     parser.add_argument("--keep-work", action="store_true",
                         help="keep the run's work directory (ranks' files, launcher log); by default it is "
                              "removed after a run that succeeded, and kept, its path printed, after a failure")
@@ -157,6 +161,16 @@ def write_json_or_keep(path: str, result: dict) -> str | None:
     kept = keep(json.dumps(result, indent=1), Path(path).name)
     return (f"rlhfmem: --json {path}: cannot be written ({why}); the result is in {kept}, its traces in the work "
             f"directory {result.get('work_dir')}")
+
+
+def warn_leftovers(results: list[dict]) -> None:
+    """A warning line on stderr for each run that left processes behind (``launch.leftover_warning``)."""
+    from .launch import leftover_warning
+
+    for r in results:
+        line = leftover_warning(r)
+        if line:
+            print(f"rlhfmem: warning: {line}", file=sys.stderr)
 
 
 def finish_runs(results: list[dict], keep: bool) -> None:
@@ -215,7 +229,8 @@ def _run(args: argparse.Namespace) -> int:
         work_dirs = [args.work_dir]  # the first round's (its figures and traces are kept); then new temporary ones
         result, rounds = run_rounds(lambda snapshots: run_scenario(
             scenario, device=args.device, timeout=args.timeout, snapshot_dir=snapshots,
-            cuda_emulation=args.cuda_emulation, work_dir=work_dirs.pop() if work_dirs else None, nodes=nodes),
+            cuda_emulation=args.cuda_emulation, work_dir=work_dirs.pop() if work_dirs else None, nodes=nodes,
+            kill_leftovers=args.kill_leftovers),
             args.time_rounds, args.snapshot_dir)
     except ScenarioError as exc:
         raise CliError(str(exc)) from None
@@ -236,6 +251,7 @@ def _run(args: argparse.Namespace) -> int:
               f"pinned: {host.get('pinned_method')}")
     lost = write_json_or_keep(args.json_out, result) if args.json_out else None
     finish_runs(rounds, args.keep_work or lost is not None)
+    warn_leftovers(rounds)
     if result["status"] != "ok":
         from ..results import IterationResult
 

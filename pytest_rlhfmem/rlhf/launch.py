@@ -30,7 +30,8 @@ from ..cbuild import cache_dir
 from ..units import format_size
 from ..hardware import REHEARSAL_DEVICE, code_device, cuda_device_count
 from ..hostcpu import fp16_answer
-from ..owned import WorkDirError, claim_work_dir, is_run_process, new_token, remove_work, run_env, start_ticks
+from ..owned import (LEFTOVERS, WorkDirError, claim_work_dir, is_run_process, new_token, remove_work, run_env,
+                     run_processes, start_ticks, stop_processes)
 from ..record.recorder import history_settings
 from ..record.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
@@ -234,7 +235,8 @@ def _worker_env(device: str, threads: int) -> dict:
 
 def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
-                 capture: bool = True, cuda_emulation: str = "on", nodes: Nodes | None = None) -> dict:
+                 capture: bool = True, cuda_emulation: str = "on", nodes: Nodes | None = None,
+                 kill_leftovers: bool = False) -> dict:
     """Run ``scenario`` once; returns the scenario result (see :func:`aggregate`). Never raises for a
     failed run: the result's ``status`` is ``failed`` and ``failure`` says which rank, phase and why.
     Raises :class:`ScenarioError` before launching for a scenario this device cannot run.
@@ -242,7 +244,9 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     ``cuda_emulation`` (``on``/``off``): the CPU capture's CUDA emulation (``record/emulation.py``).
     ``nodes``: torchrun's multi-node options (:class:`Nodes`; docs/multi-node.md). With ``nnodes`` > 1 this call
     is one node's agent: ``work_dir`` must be shared by every node; node rank 0 waits for the other agents and
-    returns the scenario result, any other node its own agent's outcome (``role: agent``, no figures)."""
+    returns the scenario result, any other node its own agent's outcome (``role: agent``, no figures).
+    ``kill_leftovers``: stop the run's processes that outlive it (:func:`run_process_group`); listed either way
+    (``result["leftover_processes"]``)."""
     from .colossalchat import CPU_STRATEGIES
     from .deepspeed_chat import STRATEGY_SETTINGS
 
@@ -308,11 +312,12 @@ def run_scenario(scenario: Scenario, device: str = "auto", timeout: float = DEFA
     if device == REHEARSAL_DEVICE:  # built once here, not by every rank
         env[SIM_LIBRARY_ENV] = _sim_cuda_library()
     if not nodes.multi_node:
-        returncode, timed_out = run_process_group(cmd, log_path, env, timeout_left, work)
+        returncode, timed_out = run_process_group(cmd, log_path, env, timeout_left, work,
+                                                  kill_leftovers=kill_leftovers)
         return aggregate(scenario, device, work, returncode, timed_out, timeout, time.perf_counter() - t0,
                          log_path) | mine
     deadline = time.monotonic() + timeout + 30.0  # another agent's own timeout, its SIGTERM grace and report
-    returncode, timed_out = _run_agent(cmd, env, timeout_left, work, nodes)
+    returncode, timed_out = _run_agent(cmd, env, timeout_left, work, nodes, kill_leftovers)
     if nodes.node_rank != 0:
         return _agent_result(scenario, device, nodes, returncode, timed_out, work) | {"op_build_s": op_build_s}
     agents = _await_agents(work, nodes, scenario.world_size, deadline)
@@ -354,9 +359,13 @@ class RunInterrupted(KeyboardInterrupt):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum, self.phases, self.work, self.removed = signum, {}, None, False
+        self.figures: dict[int, str] = {}
 
-    def note(self, work: Path | None, phases: dict[int, str], removed: bool = False) -> RunInterrupted:
-        self.work, self.phases, self.removed = work, phases, removed
+    def note(self, work: Path | None, phases: dict[int, str], figures: dict[int, str] | None = None,
+             removed: bool = False) -> RunInterrupted:
+        """Where the run was when it stopped: its work directory, each rank's phase and figures so far
+        (:func:`rank_figures`)."""
+        self.work, self.phases, self.figures, self.removed = work, phases, figures or {}, removed
         return self
 
     @property
@@ -365,7 +374,8 @@ class RunInterrupted(KeyboardInterrupt):
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
-        where = ("; ".join(f"rank {r} in phase {p!r}" for r, p in sorted(self.phases.items()))
+        where = ("; ".join(f"rank {r} in phase {p!r}" + (f": {self.figures[r]}" if r in self.figures else "")
+                           for r, p in sorted(self.phases.items()))
                  or "no rank had reported its phase")
         work = (f"work directory kept: {self.work}" if self.work else
                 "work directory removed" if self.removed else "")
@@ -401,7 +411,7 @@ PROGRESS_EVERY_S = 60.0  # how often a long run's progress line is printed (run_
 
 def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float, work: Path,
                       cwd: str | Path | None = None, on_progress: Callable[[float], None] | None = None,
-                      progress_every_s: float = PROGRESS_EVERY_S) -> tuple[int, bool]:
+                      progress_every_s: float = PROGRESS_EVERY_S, kill_leftovers: bool = False) -> tuple[int, bool]:
     """Run ``cmd`` (a torchrun line or a user's command) in its own session, stdout and stderr to
     ``log_path``; at ``timeout`` seconds terminate the whole group (SIGTERM, then SIGKILL after 15 s).
     Afterwards kill any worker group still alive (each rank announces its pid in ``work``'s progress
@@ -412,9 +422,12 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
     :class:`RunInterrupted` (after stopping every process the same way, SIGKILL after
     :data:`INTERRUPT_GRACE_S`) when SIGINT, SIGTERM or SIGHUP reaches this process meanwhile.
     ``on_progress(elapsed_s)``, when given, is called every ``progress_every_s`` seconds while the command runs
-    (a long run says where it is: :func:`progress_line`)."""
+    (a long run says where it is: :func:`progress_line`). Processes of the run still alive after all that (a
+    daemon the program double-forked) are listed in ``work/LEFTOVERS`` (``owned.py``), and stopped when
+    ``kill_leftovers``; otherwise left running, as they are the program's."""
     timed_out = False
     t0 = time.monotonic()
+    started_wall = time.time()
     token, since = new_token(), None
     with open(log_path, "wb") as log, interruptible():
         proc = None
@@ -436,6 +449,7 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
             timed_out = True
             _note_alive_at_timeout(work, log_path.parent, token, since)
             _terminate(proc, 15.0)
+            clear_stale_batons(env, started_wall)
         except RunInterrupted as exc:
             for s in INTERRUPT_SIGNALS:  # a second Ctrl-C must not cut the clean-up short
                 if signal.getsignal(s) is not signal.SIG_IGN:
@@ -443,9 +457,43 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
             if proc is not None:
                 _terminate(proc, INTERRUPT_GRACE_S)
             _kill_leftover_workers(work, token, since)
-            raise exc.note(work, rank_phases(work)) from None
+            clear_stale_batons(env, started_wall)
+            raise exc.note(work, rank_phases(work), rank_figures(work)) from None
     _kill_leftover_workers(work, token, since)
+    _note_leftovers(log_path.parent, token, since, kill_leftovers)
     return proc.returncode, timed_out
+
+
+def clear_stale_batons(env: dict[str, str], since: float) -> list[Path]:
+    """After the run's processes were killed (a timeout, a signal): remove the ``lock`` files of torch's JIT-build
+    directories (``torch/utils/cpp_extension.py: _jit_compile``'s ``FileBaton``, which every load of a JIT op takes
+    for a moment, DeepSpeed's ``shm_comm`` in every CPU rank) created since ``since`` (wall-clock seconds: the run's
+    start). A rank killed while holding one leaves it, and every later load of that op waits on it for ever (a
+    next run hung at ``FileBaton.wait``); only the killed run's processes can have made one since it began, bar
+    another run loading the same op in that moment. ``env``: the run's environment (its
+    ``$TORCH_EXTENSIONS_DIR``, else torch's default under ``~/.cache``). Returns the files removed."""
+    root = Path(env.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    removed = []
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            st = lock.stat()
+            if lock.is_file() and st.st_size == 0 and st.st_mtime >= since - 1.0:
+                lock.unlink()
+                removed.append(lock)
+        except OSError:
+            pass
+    return removed
+
+
+def _note_leftovers(out: Path, token: str, since: int | None, kill: bool) -> None:
+    """The run's processes still alive once its command ended and its ranks were stopped: written to
+    ``out/LEFTOVERS`` (``[{"pid", "cmdline", "stopped"}]``) for the result, and stopped when ``kill``."""
+    left = run_processes(token, since)
+    if not left:
+        return
+    if kill:
+        stop_processes([p for p, _ in left], token, since)
+    (out / LEFTOVERS).write_text(json.dumps([{"pid": p, "cmdline": c[:300], "stopped": kill} for p, c in left]))
 
 
 ALIVE_AT_TIMEOUT = "alive-at-timeout.json"  # in the work directory: the ranks whose process outlived the timeout
@@ -491,6 +539,28 @@ def progress_line(work: Path, elapsed_s: float, label: str) -> str:
                      + (f" ({rows:,} device events recorded by then)" if rows is not None else "")
                      + (f", host RSS {format_size(int(prog['host_rss']))}" if prog.get("host_rss") else ""))
     return f"{label}: {elapsed_s:.0f} s, " + ("; ".join(parts) if parts else "no rank has started recording yet")
+
+
+def rank_figures(work: Path) -> dict[int, str]:
+    """``{rank: "peak reserved 4.00 MiB, peak allocated 2.00 MiB (simulated), host RSS 1.20 GiB"}`` from the ranks'
+    progress files in ``work``: what each held by its last report (a phase change, or its heartbeat every few
+    seconds: ``record/rank.py``); ranks without figures are absent."""
+    out = {}
+    for p in work.glob("progress-rank*.json"):
+        try:
+            prog = json.loads(p.read_text())
+            rank = int(prog["rank"])
+        except (ValueError, KeyError, TypeError, OSError):
+            continue
+        parts = [f"{k.replace('_', ' ')} {format_size(int(prog[k]))}" for k in PROGRESS_PEAKS
+                 if prog.get(k) is not None]
+        if parts and prog.get("simulated"):
+            parts[-1] += " (simulated)"
+        if prog.get("host_rss"):
+            parts.append(f"host RSS {format_size(int(prog['host_rss']))}")
+        if parts:
+            out[rank] = ", ".join(parts)
+    return out
 
 
 def rank_phases(work: Path) -> dict[int, str]:
@@ -769,9 +839,33 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "ranks": ranks,
         "work_dir": str(work),
         "log_tail": log_tail,
+        **({"leftover_processes": left} if (left := _leftovers(work)) else {}),
         **({"nodes": nodes.describe() | {"agents": {nodes.node_rank: {"returncode": returncode}} | agents}}
            if nodes is not None else {}),
     }
+
+
+def _leftovers(work: Path) -> list[dict]:
+    """The run's processes that outlived it (``LEFTOVERS``, one file per node's agent), or ``[]``."""
+    out = []
+    for p in [*work.glob(LEFTOVERS), *work.glob(f"node*/{LEFTOVERS}")]:
+        try:
+            out += json.loads(p.read_text())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def leftover_warning(result: dict) -> str | None:
+    """One line on the processes a run left behind (``result["leftover_processes"]``), or ``None``."""
+    left = result.get("leftover_processes") or []
+    if not left:
+        return None
+    stopped = all(p.get("stopped") for p in left)
+    listed = "; ".join(f"pid {p['pid']} ({p['cmdline'][:80]})" for p in left[:5]) + (" ..." if len(left) > 5 else "")
+    return (f"the command left {len(left)} process(es) running after it ended: {listed}; "
+            + ("stopped (--kill-leftovers)" if stopped else "left running: rerun with --kill-leftovers (the "
+               "fixtures: --rlhfmem-kill-leftovers) to stop them"))
 
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")  # torch/distributed/elastic/rendezvous/registry.py
@@ -879,14 +973,16 @@ def _check_fresh_work(work: Path, nodes: Nodes) -> None:
                             f"multi-node run an empty directory that every node shares")
 
 
-def _run_agent(cmd: list[str], env: dict[str, str], timeout: float, work: Path, nodes: Nodes) -> tuple[int, bool]:
+def _run_agent(cmd: list[str], env: dict[str, str], timeout: float, work: Path, nodes: Nodes,
+               kill_leftovers: bool = False) -> tuple[int, bool]:
     """One node's torchrun agent of a multi-node run: its log and, once it exits, its report
     (``node<R>/agent.json``: exit code, timed out, host) in the shared ``work``. Only this agent's own workers
     are killed afterwards (those whose environment carries its token): the progress files name the pids of
     every node's ranks, and a pid means nothing on another host."""
     agent_dir = work / f"node{nodes.node_rank}"
     agent_dir.mkdir(parents=True, exist_ok=True)
-    returncode, timed_out = run_process_group(cmd, agent_dir / "launcher.log", env, timeout, work)
+    returncode, timed_out = run_process_group(cmd, agent_dir / "launcher.log", env, timeout, work,
+                                              kill_leftovers=kill_leftovers)
     report = {"node_rank": nodes.node_rank, "returncode": returncode, "timed_out": timed_out,
               "host": socket.gethostname(), "log": str(agent_dir / "launcher.log")}
     tmp = agent_dir / "agent.json.tmp"

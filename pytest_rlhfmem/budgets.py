@@ -451,9 +451,23 @@ def _tol_text(r: Row) -> str:
     return f"max({r.tolerance.rel * 100:g}%, {ab})"
 
 
+# What a capture did, not how it was set up: the simulated device's counts of its run (simcuda/library.py: describe).
+# They move with the program (a doubled batch makes more reduction staging buffers, another thread another cuBLAS
+# workspace), so two runs of one setup that differ in them are held against each other, not refused as not comparable.
+RUN_COUNTS = frozenset({"record_stream_delayed_frees", "efficient_attention_backwards",
+                        "efficient_attention_backward_workspaces_not_modelled", "cublas_workspaces",
+                        "reduction_staging_buffers", "index_put_sort_buffers", "scalar_answers", "values_not_computed"})
+
+
+def _setup(description: dict) -> dict:
+    """``description`` without :data:`RUN_COUNTS`, at any depth."""
+    return {k: _setup(v) if isinstance(v, dict) else v for k, v in description.items() if k not in RUN_COUNTS}
+
+
 def _describe_capture(capture: str | None, description: dict | None) -> str:
-    """One phrase for a capture: its kind plus, for a CPU capture, its CUDA emulation."""
-    desc = dict(description or {})
+    """One phrase for a capture: its kind plus how it was set up (for a CPU capture, its CUDA emulation; for the
+    simulated device, its settings, not its counts: :data:`RUN_COUNTS`)."""
+    desc = _setup(dict(description or {}))
     if capture == "cpu-trace-simulated":
         desc.setdefault("cuda_emulation", "off")  # entries written before the emulation existed
     if not desc:

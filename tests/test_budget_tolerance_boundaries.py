@@ -42,3 +42,19 @@ def test_the_margin_is_the_larger_part_not_the_sum():
     tol = Tolerance(0.01, 4 * MiB)
     assert tol.allowed(100 * MiB) == 104 * MiB  # abs + rel would be 105 MiB
     assert tol.allowed(1000 * MiB) == 1010 * MiB  # abs + rel would be 1014 MiB
+
+
+def test_the_simulated_devices_counts_of_its_run_do_not_make_a_budget_not_comparable(tmp_path):
+    """A doubled batch makes more reduction staging buffers: the same setup, held against its budget (found over
+    or under), where it read 'not comparable'. A setting (the attention kernel) still refuses."""
+    from pytest_rlhfmem.budgets import not_comparable
+
+    def desc(stagings: int, sdpa: str = "math") -> dict:
+        return {"simulated_cuda_device": {"kernels": "meta", "scaled_dot_product_attention": sdpa,
+                                          "record_stream": "immediate", "reduction_staging_buffers": stagings,
+                                          "cublas_workspaces": 2, "scalar_answers": {"bool": stagings}}}
+
+    entry = BudgetEntry("x", {}, {}, capture="sim-cuda-simulated", raw={"capture_description": desc(8)})
+    assert not_comparable(tmp_path / "b.yaml", entry, "sim-cuda-simulated", desc(16)) is None
+    why = not_comparable(tmp_path / "b.yaml", entry, "sim-cuda-simulated", desc(8, "efficient"))
+    assert why and "'scaled_dot_product_attention': 'efficient'" in why and "reduction_staging_buffers" not in why

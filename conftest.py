@@ -48,6 +48,20 @@ def pytest_configure(config: pytest.Config) -> None:
                             "suites/matrices.yaml")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """One line on the real GPU snapshots (``../shared/snapshots``, docs/shared-snapshots.md): where they were found,
+    or that the tests reading them skip and how to fetch them."""
+    from pytest_rlhfmem.shared_snapshots import ENV_VAR, snapshots_dir
+
+    where = snapshots_dir()
+    found = sorted(where.glob("*.pickle")) if where.is_dir() else []
+    if found:
+        return f"rlhfmem: real GPU snapshots: {len(found)} in {where}"
+    return (f"rlhfmem: real GPU snapshots: none in {where} (${ENV_VAR} or ../shared/snapshots beside the checkout): "
+            "the fidelity tests that replay them skip, each naming its file; python scripts/fetch_shared_snapshots.py "
+            "fetches them (docs/shared-snapshots.md)")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     for mark in metafunc.definition.iter_markers("matrix"):
         params = [p for name in mark.args for p in load_matrix(name, MATRICES)]
@@ -112,7 +126,7 @@ def project_wheel(tmp_path_factory) -> Path:
     root = Path(__file__).parent
     out = tmp_path_factory.mktemp("wheel")
     src = out / "src"
-    for f in tracked_package_files() + ["pyproject.toml", "README.md"]:
+    for f in tracked_package_files() + ["pyproject.toml", "setup.py", "README.md", "LICENSE"]:
         (src / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / f, src / f)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",

@@ -1,13 +1,13 @@
 """Markdown tables generated from the committed budgets, so the README and docs never restate a figure by hand.
 
-    python -m doctables.budget_tables cpu-matrix     # README: the DeepSpeed-Chat CPU matrix (deepspeed_chat_cpu.yaml)
+    python -m doctables.budget_tables cpu-matrix     # docs/cpu-path.md: the CPU matrix (deepspeed_chat_cpu.yaml)
     python -m doctables.budget_tables methods        # docs/methods.md: the methods beside PPO (methods_cpu.yaml)
     python -m doctables.budget_tables flush-diff     # docs/reports.md: rlhfmem diff, flush after inference vs none
     python -m doctables.budget_tables flush-diff-report  # docs/diff-flush-none-vs-after-inference.md
     python -m doctables.budget_tables mid-matrix     # docs/cpu-path.md: the mid-size pair (methods_cpu_mid.yaml)
     python -m doctables.budget_tables mid-methods    # docs/methods.md: the methods on the mid-size pair
     python -m doctables.budget_tables tolerances     # README: the default tolerances (pytest_rlhfmem/budgets.py)
-    python -m doctables.budget_tables colocated-study  # README: a colocated engine at the study's scale
+    python -m doctables.budget_tables colocated-study  # docs/colocated-rollout.md: the study's scale, colocated
 
 Each block a document shows is fenced by ``<!-- generated: python -m doctables.budget_tables NAME -->`` and
 ``<!-- end generated -->``; tests/test_generated_tables.py reruns the command and fails when a block differs

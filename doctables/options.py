@@ -1,7 +1,7 @@
 """The plugin's options, read from a real pytest parser with the plugin registered, and the CLI's subcommands, read
-from its own argparse parser: the README's options table, and what tests/test_docs.py holds every doc against.
+from its own argparse parser: the options of docs/reference.md, and what tests/test_docs.py holds every doc against.
 
-    python -m doctables.options          # README: the options table (flag, default, meaning)
+    python -m doctables.options          # the plugin's options (flag, default, meaning); docs/reference.md has them all
 """
 
 from __future__ import annotations

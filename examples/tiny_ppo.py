@@ -2,9 +2,11 @@
 
     torchrun --standalone --nproc-per-node 2 examples/tiny_ppo.py                  # runs on its own
     rlhfmem capture --id tiny-ppo -- torchrun --standalone --nproc-per-node 2 examples/tiny_ppo.py
+    python examples/tiny_ppo.py                                                    # one process, no torchrun
 
-The three ``rlhfmem`` lines are the only additions for memory budgets. They do nothing unless the script
-runs under ``rlhfmem capture`` (or the ``rlhfmem_command`` fixture), so they can stay in production code.
+The ``rlhfmem`` lines (three phases and a flush point) are the only additions for memory budgets. They do nothing
+unless the script runs under ``rlhfmem capture`` (or the ``rlhfmem_command`` fixture), so they can stay in production
+code.
 CPU + gloo without a GPU (then the memory figures are simulated), CUDA + nccl with one.
 """
 
@@ -17,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import pytest_rlhfmem as rlhfmem
 
-VOCAB, HIDDEN, LAYERS, PROMPT_LEN, ANSWER_LEN, BATCH, KL_COEF, CLIP = 1024, 256, 2, 16, 16, 8, 0.1, 0.2
+VOCAB, HIDDEN, LAYERS, PROMPT_LEN, ANSWER_LEN = 1024, 256, 2, 16, 16
+BATCH = 8  # prompts per rank (the README's quick start raises it to 32: the budget then fails)
+KL_COEF, CLIP = 0.1, 0.2
 
 
 class TinyLM(torch.nn.Module):

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -103,10 +104,12 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
         if out.exists():  # another process built it while this one waited
             return out
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        # a first build takes seconds to a minute: say what and why, once, before the compiler starts
+        # a first build takes seconds to a minute: say what and why, once, before the compiler starts, and how
+        # long it took once it is done
         print(f"rlhfmem: building {source.name} with {os.path.basename(cxx)} (no cached build for this source, "
               f"compiler{' and torch' if torch or python_module else ''}; cached in {cache} from now on)",
               file=sys.stderr, flush=True)
+        started = time.monotonic()
         try:
             proc = subprocess.run([cxx, *cmd_flags, str(source), *link, "-o", str(tmp)], capture_output=True,
                                   text=True, timeout=BUILD_TIMEOUT_S)
@@ -122,8 +125,40 @@ def build_library(source: Path, unavailable: type[Exception], flags: Sequence[st
             tmp.replace(out)
         except OSError as exc:
             raise unavailable(unusable.format(exc.strerror or exc)) from None
+        took = time.monotonic() - started
+        print(f"rlhfmem: built {source.name} in {took:.1f} s", file=sys.stderr, flush=True)
+        _log_build(cache, source.name, took)
     finally:
         lock.release()
+    return out
+
+
+BUILD_LOG = "builds.log"  # one line per build: epoch time, source, seconds (what a session says it built)
+
+
+def _log_build(cache: Path, name: str, seconds: float) -> None:
+    try:
+        with open(cache / BUILD_LOG, "a") as f:
+            f.write(f"{time.time():.3f}\t{name}\t{seconds:.1f}\n")
+    except OSError:
+        pass  # the build itself is cached; only the pytest session's line about it is lost
+
+
+def builds_since(since: float) -> list[tuple[str, float]]:
+    """``(source, seconds)`` of every build into :func:`cache_dir` that finished at or after ``since`` (epoch
+    seconds), by this process or any other (a run's ranks build too)."""
+    try:
+        lines = (cache_dir() / BUILD_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        parts = line.split("\t")
+        try:
+            if len(parts) == 3 and float(parts[0]) >= since:
+                out.append((parts[1], float(parts[2])))
+        except ValueError:
+            continue
     return out
 
 

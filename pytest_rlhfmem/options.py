@@ -73,7 +73,7 @@ OPTIONS = (
     Option("--rlhfmem-report", "rlhfmem_report", "write the per-PR memory diff report (markdown) against the "
            "baselines to this path; a JSON twin is written beside it"),
     Option("--rlhfmem-benchmark-json", "rlhfmem_benchmark_json", "write github-action-benchmark "
-           "customSmallerIsBetter JSON (one entry per scenario and metric, unit bytes)"),
+           "customSmallerIsBetter JSON (one entry per scenario and metric: unit bytes for sizes, count for counts)"),
     Option("--rlhfmem-time-rounds", "rlhfmem_time_rounds", "run each iteration N times: times become the "
            "median with their spread (memory figures from the first round)", "int", 1, minimum=1),
     Option("--rlhfmem-advise", "rlhfmem_advise", "for a scenario over its budget, add rlhfmem advise's "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import pytest
 
 from . import budgets as B
 from . import hardware
+from .cbuild import builds_since, cache_dir
 from .hardware import REHEARSAL_DEVICE, REHEARSAL_PROFILE, CudaDevice, gpu_shortfall, profile_name
 from .marks import gpu_mark_args
 from .options import option_value
@@ -71,6 +73,7 @@ class RlhfmemSession:
         self.work_dirs: dict[str, bool] = {}  # each run's work directory -> whether the run succeeded
         self.lost_outputs: list[str] = []  # outputs that could not be written at the end, one line each
         self.kept_work: list[str] = []
+        self.started = time.time()  # the C++ builds since then are named in the summary (cbuild.builds_since)
 
     @classmethod
     def start(cls, config: pytest.Config) -> RlhfmemSession:
@@ -346,3 +349,8 @@ class RlhfmemSession:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.is_xdist_worker:
             write_terminal_summary(terminalreporter, self)
+            built = builds_since(self.started)
+            if built:  # a first run on this machine (or torch): say what it compiled and what it cost, once
+                terminalreporter.write_line(
+                    "rlhfmem: built the C++ parts this session needed, once per machine, compiler and torch: "
+                    + ", ".join(f"{name} in {secs:.1f} s" for name, secs in built) + f" (cached in {cache_dir()})")

@@ -20,7 +20,7 @@ from doctables.options import plugin_options
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "examples" / "github-actions"
 JOBS = {"own-trainer.yml": {"cpu", "gpu"}, "rerecord-baselines.yml": {"record-cpu", "record-gpu"},
-        "rlhfmem.yml": {"cpu", "gpu-1", "gpu-4"}}
+        "rlhfmem.yml": {"cpu", "gpu-1", "gpu-4"}, "release.yml": {"build", "publish"}}
 GPU_JOBS = {("own-trainer.yml", "gpu"), ("rerecord-baselines.yml", "record-gpu"), ("rlhfmem.yml", "gpu-1"),
             ("rlhfmem.yml", "gpu-4")}
 
@@ -67,7 +67,9 @@ def test_budgets_are_recorded_only_through_a_pull_request():
         wf = _load(name)
         triggers = wf[True]  # YAML reads the key `on` as True
         for job, spec in wf["jobs"].items():
-            runs = [i for i, s in enumerate(spec["steps"]) if "--rlhfmem-update-baselines" in s.get("run", "")]
+            # (a step that records in a directory of its own, outside the checkout, writes no budget of the repository)
+            runs = [i for i, s in enumerate(spec["steps"])
+                    if "--rlhfmem-update-baselines" in s.get("run", "") and "cd ../" not in s.get("run", "")]
             if not runs:
                 continue
             assert "workflow_dispatch" in triggers, f"{name}: records budgets but cannot be started by hand"
@@ -83,12 +85,13 @@ def test_every_option_tox_environment_and_file_named_exists():
     named = 0
     for name, job, step in _steps():
         words = _words(step.get("run", ""))
+        copied = {Path(w).name for w in words if (ROOT / w).is_file()} if "cp" in words else set()
         for w in words:
             if w.startswith(("--rlhfmem", "--gpu-marker")):
                 assert w.split("=", 1)[0] in flags, f"{name}: {job} passes {w}, which the plugin lacks"
                 named += 1
-            if w.endswith(".py") or w.startswith("suites/"):
-                assert (ROOT / w).is_file(), f"{name}: {job} names {w}, which does not exist"
+            if w.endswith(".py") or w.startswith("suites/"):  # a file of the checkout, or one the line copied
+                assert (ROOT / w).is_file() or w in copied, f"{name}: {job} names {w}, which does not exist"
         if "tox" in words and "-e" in words:
             for env in words[words.index("-e") + 1].split(","):
                 assert env in envs, f"{name}: {job} runs tox -e {env}, which tox.ini lacks"
@@ -118,3 +121,50 @@ def test_the_readme_shows_the_own_trainer_workflow_and_links_the_others():
     assert "<!-- generated: python -m doctables.include examples/github-actions/own-trainer.yml -->" in readme
     for name in ("rerecord-baselines.yml", "rlhfmem.yml"):
         assert f"(examples/github-actions/{name})" in readme
+
+
+def _readme_install_lines() -> set[str]:
+    """The arguments of the README's ``pip install`` lines (its install and quick-start blocks)."""
+    out = set()
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.search(r"pip install (.+?)\s*(?:#|$)", line)
+        if m:
+            out.add(m[1].strip())
+    return out
+
+
+def test_every_recipe_installs_torch_and_the_package_as_the_readme_does():
+    """A workflow installs pytest-rlhfmem with one of the README's own lines (from the checkout, or the wheel built
+    from it) and torch with the README's line for its runner: a copied recipe cannot drift from the documented
+    install (the recipes installed ``pytest-rlhfmem[plot]`` from PyPI, where it has never been published)."""
+    readme = _readme_install_lines()
+    installs = 0
+    for name, job, step in _steps():
+        for m in re.finditer(r"python -m pip install (.+?)\s*(?:#.*)?$", step.get("run", ""), re.M):
+            arg = m[1].strip()
+            if arg == "build twine" or not ("[plot]" in arg or arg.startswith("torch")):
+                continue  # the release's own tools; another workflow's own packages
+            assert arg in readme, f"{name}: {job} installs with `pip install {arg}`, a line the README lacks"
+            installs += "[plot]" in arg
+    assert installs >= 5
+    assert not any(a.startswith(('"pytest-rlhfmem[', "pytest-rlhfmem")) for a in readme), "not on PyPI yet"
+
+
+def test_the_release_workflow_builds_checks_and_publishes_with_trusted_publishing():
+    wf = _load("release.yml")
+    assert wf[True]["push"]["tags"] == ["v*"] and "workflow_dispatch" in wf[True]
+    build, publish = wf["jobs"]["build"], wf["jobs"]["publish"]
+    runs = [s.get("run", "") for s in build["steps"]]
+    assert "python -m build" in runs and any(r.startswith("python -m twine check") for r in runs)
+    assert any(s.get("uses", "").startswith("actions/upload-artifact") for s in build["steps"])
+    assert publish["needs"] == "build" and publish["if"] == "startsWith(github.ref, 'refs/tags/v')"
+    assert publish["permissions"] == {"id-token": "write"} and publish["environment"] == "pypi"
+    (pub,) = [s for s in publish["steps"] if s.get("uses", "").startswith("pypa/gh-action-pypi-publish")]
+    assert not set(pub.get("with") or {}) & {"password", "user"}, "trusted publishing needs no token"
+
+
+def test_the_release_tag_check_reads_the_version_of_pyproject():
+    (step,) = [s for n, j, s in _steps() if n == "release.yml" and "tomllib" in s.get("run", "")]
+    code = re.search(r"python -c\s+'(.+?)'", step["run"], re.S)[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert re.fullmatch(r"\d+\.\d+\.\d+\n", out), out

@@ -82,8 +82,8 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
                                  "`~/.cache`)"),
     "CUDA_VISIBLE_DEVICES": ("others", "the GPUs a run sees: the budget profile counts them "
                                        "(`cuda-<gpu>-x<visible GPUs>`)"),
-    "GITHUB_STEP_SUMMARY": ("others", "set (GitHub Actions): `--rlhfmem-report`'s markdown is appended to the step "
-                                      "summary"),
+    "GITHUB_STEP_SUMMARY": ("others", "set (GitHub Actions): every session appends its diff against the budgets "
+                                      "to the step summary, with or without `--rlhfmem-report`"),
     "ONEDNN_MAX_CPU_ISA": ("others", "oneDNN's ISA cap, recorded in a result's `host_cpu` (portability tests)"),
     "ATEN_CPU_CAPABILITY": ("others", "ATen's CPU dispatch level, forced by the CPU portability tests"),
     "CUBLAS_WORKSPACE_CONFIG": ("others", "cuBLAS's workspace setting: sizes the emulated cuBLAS workspace of a "

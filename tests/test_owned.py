@@ -235,5 +235,41 @@ def test_a_killed_runs_jit_build_batons_are_cleared_and_older_ones_kept(tmp_path
         lock.touch()
     os.utime(older, (started - 3600, started - 3600))
     (tmp_path / "py311_cpu" / "cpu_adam" / "cpu_adam.so").write_bytes(b"\x7fELF")
-    assert clear_stale_batons({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, started) == [fresh]
+    assert clear_stale_batons({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, started, settle_s=0.0) == [fresh]
     assert not fresh.exists() and older.exists()
+
+
+def test_a_baton_another_run_holds_in_that_moment_is_kept(tmp_path):
+    """A lock made since the killed run began, but held by a live build (a process working in its directory, as
+    ninja does) or released and taken again within the settling time, is another load's: removing it would make
+    that load's ``FileBaton.release()`` fail."""
+    import threading
+    import time as _time
+
+    from pytest_rlhfmem.rlhf.launch import clear_stale_batons
+
+    started = _time.time()
+    building = tmp_path / "py311_cpu" / "deepspeed_shm_comm"
+    retaken = tmp_path / "py311_cpu" / "cpu_adam"
+    for d in (building, retaken):
+        d.mkdir(parents=True)
+        (d / "lock").touch()
+    ninja = subprocess.Popen(["sleep", "30"], cwd=building)
+
+    def release_and_take_again():
+        _time.sleep(0.2)
+        (retaken / "lock").unlink()
+        (retaken / "lock").touch()
+
+    t = threading.Thread(target=release_and_take_again)
+    t.start()
+    try:
+        assert clear_stale_batons({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, started, settle_s=0.5) == []
+    finally:
+        ninja.kill()
+        ninja.wait()
+        t.join()
+    assert (building / "lock").exists() and (retaken / "lock").exists()
+    # once no build works there and the lock outlasts the settling time, both are stale
+    assert set(clear_stale_batons({"TORCH_EXTENSIONS_DIR": str(tmp_path)}, started, settle_s=0.0)) == {
+        building / "lock", retaken / "lock"}

@@ -464,25 +464,54 @@ def run_process_group(cmd: list[str], log_path: Path, env: dict[str, str], timeo
     return proc.returncode, timed_out
 
 
-def clear_stale_batons(env: dict[str, str], since: float) -> list[Path]:
+BATON_SETTLE_S = 2.0  # how long a lock must outlast the killed run to be its: a live load releases it within this
+
+
+def clear_stale_batons(env: dict[str, str], since: float, settle_s: float = BATON_SETTLE_S) -> list[Path]:
     """After the run's processes were killed (a timeout, a signal): remove the ``lock`` files of torch's JIT-build
     directories (``torch/utils/cpp_extension.py: _jit_compile``'s ``FileBaton``, which every load of a JIT op takes
     for a moment, DeepSpeed's ``shm_comm`` in every CPU rank) created since ``since`` (wall-clock seconds: the run's
-    start). A rank killed while holding one leaves it, and every later load of that op waits on it for ever (a
-    next run hung at ``FileBaton.wait``); only the killed run's processes can have made one since it began, bar
-    another run loading the same op in that moment. ``env``: the run's environment (its
-    ``$TORCH_EXTENSIONS_DIR``, else torch's default under ``~/.cache``). Returns the files removed."""
+    start) that are stale: still there ``settle_s`` seconds later, and no process builds in that directory (ninja
+    and its compilers run with the build directory as their working directory). A rank killed while holding one
+    leaves it, and every later load of that op waits on it for ever (a next run hung at ``FileBaton.wait``); a lock
+    another run holds in that moment is its own (removing it would make its ``release()`` fail) and is kept.
+    ``env``: the run's environment (its ``$TORCH_EXTENSIONS_DIR``, else torch's default under ``~/.cache``).
+    Returns the files removed."""
     root = Path(env.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    removed = []
+    fresh = []
     for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
         try:
             st = lock.stat()
             if lock.is_file() and st.st_size == 0 and st.st_mtime >= since - 1.0:
+                fresh.append((lock, (st.st_ino, st.st_mtime_ns)))  # a lock released and taken again is new
+        except OSError:
+            pass
+    if fresh:
+        time.sleep(settle_s)
+    building = _build_directories() if fresh else set()
+    removed = []
+    for lock, ident in fresh:
+        try:
+            st = lock.stat()
+            if (st.st_ino, st.st_mtime_ns) == ident and lock.parent.resolve() not in building:
                 lock.unlink()
                 removed.append(lock)
         except OSError:
             pass
     return removed
+
+
+def _build_directories() -> set[Path]:
+    """The working directories of every process this user can see (``/proc/<pid>/cwd``): a JIT build's ninja and
+    compilers run in its build directory while its loader holds the baton."""
+    dirs = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                dirs.add(Path(os.readlink(proc / "cwd")).resolve())
+            except OSError:
+                pass
+    return dirs
 
 
 def _note_leftovers(out: Path, token: str, since: int | None, kill: bool) -> None:

@@ -28,5 +28,7 @@ def test_the_readme_and_docs_have_generated_tables():
 def test_a_generated_table_is_what_its_command_prints(doc, cmd, body):
     argv = shlex.split(cmd)
     assert argv[0] == "python", f"{doc.name}: a generated block's command starts with python: {cmd!r}"
-    out = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, f"{doc.name}: '{cmd}' exited {done.returncode}: {done.stderr[-2000:]}"
+    out = done.stdout
     assert body == out.rstrip("\n"), f"{doc.name}: the table under '{cmd}' is stale; rerun it and paste its output"

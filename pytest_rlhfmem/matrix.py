@@ -80,10 +80,16 @@ PORTABLE_FIGURES = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", 
 # up to 3 (zero3-offload after-inference: 9, 10 and 12 in three runs); with DeepSpeed's own empty_cache() calls
 # recorded (zero/utils.py, in init) that holds with no flush policy too; and two of those 512-byte blocks can land
 # on either side of the peak (zero3-offload flush-none, native vs forced weakest CPU: fragmentation at peak
-# 13,336,576 vs 13,335,552 B in the clean-clone CI of bb96af6; peak reserved and allocated equal). Everything else
-# is exact.
+# 13,336,576 vs 13,335,552 B in the clean-clone CI of bb96af6; peak reserved and allocated equal). Those blocks are
+# not only 512 B: ZeRO-3's threads free blocks of 512 B, 2 KiB, 128 KiB, 256 KiB and 512 KiB at moments that vary
+# (two traces of one machine differ by 441 reordered stretches on rank 0, 586 on rank 1), and a 256 KiB one lands
+# on either side of the peak: `rlhfmem run --strategy zero3-offload --flush after-inference --world-size 2 --device
+# cpu` three times on 62604d1 gave peak allocated 28,287,488 / 28,549,632 / 28,287,488 B, fragmentation at peak
+# 13,598,720 / 13,336,576 / 13,598,720 B, cudaMalloc 12 / 9 / 12, peak reserved 32 MiB each (the clean-clone CI of
+# 55fef3b, native vs forced avx2 + fp16: 13,336,576 vs 13,598,720 B). The bound is the largest such block, 512 KiB.
+# Everything else is exact.
 ZERO2_RACE = {"peak_allocated": 512, "fragmentation_at_peak": 512}
-ZERO3_FLUSH_RACE = {"peak_allocated": 1024, "fragmentation_at_peak": 1024, "cuda_malloc_count": 3}
+ZERO3_FLUSH_RACE = {"peak_allocated": 512 * 1024, "fragmentation_at_peak": 512 * 1024, "cuda_malloc_count": 3}
 DDP_RACE = {"peak_reserved": 14 * 2**20, "peak_allocated": 11 * 2**20, "fragmentation_at_peak": 14 * 2**20,
             "cuda_malloc_count": 2}
 

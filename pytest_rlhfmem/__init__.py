@@ -7,14 +7,16 @@ The public recorder API (no torch import here; every call is a no-op without an 
     with rlhfmem.phase("generate"):
         ...
     rlhfmem.flush_point("after-generate")
+    for step in range(steps):
+        rlhfmem.iteration()                  # iteration k begins: per-iteration figures, growth budgets
 
 See :mod:`pytest_rlhfmem.record.api`.
 """
 
 from .record.api import (
-    NULL_PHASE, active, begin_phase, deepspeed_offload, end_phase, flush_point, host_resident, moved_to_device,
-    moved_to_host, phase,
+    NULL_PHASE, active, begin_phase, deepspeed_offload, end_phase, flush_point, host_resident, iteration,
+    moved_to_device, moved_to_host, phase,
 )
 
 __all__ = ["NULL_PHASE", "active", "begin_phase", "deepspeed_offload", "end_phase", "flush_point", "host_resident",
-           "moved_to_device", "moved_to_host", "phase"]
+           "iteration", "moved_to_device", "moved_to_host", "phase"]

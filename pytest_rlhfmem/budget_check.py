@@ -17,8 +17,10 @@ import pytest
 
 from . import budgets as B
 from .hostcpu import host_differences
+from .iterations import growth_message
 from .options import option_value
 from .results import IterationResult
+from .rollout import oom_causes
 from .session import BudgetVerdict, RlhfmemSession
 
 
@@ -77,6 +79,10 @@ class MemoryBudget:
         if reason:
             self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "not-comparable"))
             pytest.fail(reason, pytrace=False)
+        unmeasured = B.growth_unmeasured(path, entry, result.data)
+        if unmeasured:
+            self.session.record(nodeid, result, BudgetVerdict(str(path), eid, "error", detail=unmeasured))
+            pytest.fail(unmeasured, pytrace=False)
         rows = B.compare(bf, entry, result.metrics)
         over = [r for r in rows if r.status == "over"]
         pcts = [r.delta_pct for r in rows if r.delta_pct is not None and r.metric in B.DEVICE_SIZE_BUDGETS]
@@ -97,11 +103,42 @@ class MemoryBudget:
                 advice = one_line(result.data, budget=int(budget) if budget else None)
                 self.session.record(nodeid, result, verdict)["advice"] = advice
                 advice = "\n" + advice
+            grows = growth_lines(result.data, [r.metric for r in over])
             pytest.fail(
-                f"{eid} is over its memory budget ({label}); budget file {path}\n"
-                f"peak reserved reached in phase: {result.peak_phase}\n\n{B.format_table(rows)}{advice}"
+                f"{eid} is over its memory budget ({label}); budget file {path}\n{grows}"
+                f"peak reserved reached in phase: {result.peak_phase}"
+                f"{allocated_phase(result.phases, result.peak_phase)}\n"
+                f"{oom_lines(result.data)}\n"
+                f"{B.format_table(rows)}{advice}"
                 f"{host_note(result.data.get('host_cpu'), entry.raw.get('host_cpu'))}",
                 pytrace=False)
+
+
+def growth_lines(result: dict, over: list[str]) -> str:
+    """For each growth metric in ``over`` (budgets.GROWTH_BUDGETS), its line (``iterations.growth_message``: the rate,
+    the iteration at which a card runs out, the phase that keeps memory), each ending in a newline; ``""`` for
+    none. The card is the run's own capacity where it ran against one (a colocated engine's), else 24 GiB."""
+    rows = result.get("iterations") or []
+    out = [growth_message(m, rows, result.get("capacity"), bool(result.get("simulated")))
+           for m in over if m in B.GROWTH_BUDGETS and rows]
+    return "".join(f"{line}\n" for line in out)
+
+
+def allocated_phase(phases: dict, peak_phase: str | None) -> str:
+    """``"; peak allocated in phase: P"`` where the live tensors' peak came in another phase than reserved's
+    ``peak_phase`` (the cached blocks of a phase's temporaries keep reserved up in the phases after it); ``""``
+    otherwise or without phases."""
+    if not phases:
+        return ""
+    name = max(phases, key=lambda p: phases[p].get("peak_allocated", 0))
+    return f"; peak allocated in phase: {name}" if name != peak_phase else ""
+
+
+def oom_lines(result: dict) -> str:
+    """The run's OOMs, one line each naming its phase and cause (``rollout.oom_causes``: a colocated engine's
+    wake-up the card could not back, the trainer's cudaMalloc beside what the engine held), each ending in a
+    newline; ``""`` without OOMs."""
+    return "".join(f"{line}\n" for line in oom_causes(result))
 
 
 def host_note(mine: dict | None, budget: dict | None) -> str:

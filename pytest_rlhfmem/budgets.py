@@ -52,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from .iterations import GROWTH_METRICS
 from .units import format_size, parse_size, read_file_bounded
 
 SCHEMA = 1
@@ -77,12 +78,16 @@ SWAP_BUDGETS = ("storage_read_bytes", "storage_write_bytes", "host_staging_bytes
 # allocations the card could not back (the trainer's, and a wake-up's mapping) (simulated)
 ENGINE_SIZE_NAMES = ("engine_mapped_peak", "peak_device_used")
 ENGINE_METRIC_NAMES = ENGINE_SIZE_NAMES + ("ooms",)  # ooms: every result has it; entries of engine runs gate it
-SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS + ENGINE_SIZE_NAMES
+# Growth across iterations (iterations.py), bytes per iteration from iteration 2 on: the slope of the per-iteration
+# device peaks (simulated on CPU) and host anonymous peak (measured). Gated only where an entry records them:
+# entry_from_result writes them for results of three or more iterations (iterations=N, rlhfmem.iteration()).
+GROWTH_BUDGETS = tuple(GROWTH_METRICS)
+SIZE_BUDGETS = DEVICE_SIZE_BUDGETS + HOST_BUDGETS + SWAP_BUDGETS + ENGINE_SIZE_NAMES + GROWTH_BUDGETS
 COUNT_BUDGETS = ("cuda_malloc_count", "alloc_retries")
 BUDGET_METRICS = DEVICE_SIZE_BUDGETS + COUNT_BUDGETS + HOST_BUDGETS  # compared for every entry
-_KNOWN_METRICS = BUDGET_METRICS + SWAP_BUDGETS + ENGINE_METRIC_NAMES
+_KNOWN_METRICS = BUDGET_METRICS + SWAP_BUDGETS + ENGINE_METRIC_NAMES + GROWTH_BUDGETS
 # groups an entry names together or not at all (entry_from_result writes each whole where the result has it)
-OPTIONAL_GROUPS = (SWAP_BUDGETS, ENGINE_METRIC_NAMES)
+OPTIONAL_GROUPS = (SWAP_BUDGETS, ENGINE_METRIC_NAMES, GROWTH_BUDGETS)
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,15 @@ DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "storage_read_bytes": Tolerance(0.1, 16 * 2**20),
     "storage_write_bytes": Tolerance(0.1, 16 * 2**20),
     "host_staging_bytes": Tolerance(0.0, 2**20),
+    # Growth per iteration from iteration 2 on (docs/budgets.md, "Growth across iterations"). A simulated peak
+    # repeats to the byte between iterations of a loop that keeps nothing; one segment more in the last iteration
+    # moves the reserved slope by a segment over the iterations counted (2 MiB / 2 for four iterations), and
+    # peak allocated by gloo's late frees (up to 0.9 MiB between runs, above). The host's anonymous peak per
+    # iteration moved by up to 8.8 MiB between iterations of a loop that keeps nothing (glibc keeps and reuses
+    # freed chunks; the tiny DeepSpeed-Chat ZeRO-2 cell, tox -e growth), hence 16 MiB.
+    "growth_peak_reserved": Tolerance(0.1, 2 * 2**20),
+    "growth_peak_allocated": Tolerance(0.1, 2**20),
+    "growth_host_anon": Tolerance(0.1, 16 * 2**20),
 }
 
 _TOP_KEYS = ("schema", "profile", "notes", "defaults", "entries")
@@ -373,6 +387,21 @@ def _check_entry_fields(p: Path, where: str, e: dict) -> None:
             raise _err(p, f"{where}.versions.{name}", f"must be a version (text or a number), got {v!r}")
 
 
+def growth_unmeasured(path: str | Path, entry: BudgetEntry, result: dict) -> str | None:
+    """``None`` unless ``entry`` gates growth across iterations (:data:`GROWTH_BUDGETS`) and ``result`` (a scenario
+    result, bytes inside) has no growth figures; then one line naming the file, the entry, the metrics and how
+    many iterations the run recorded (a growth budget must not pass a run that could not measure growth)."""
+    wanted = [m for m in GROWTH_BUDGETS if m in entry.metrics]
+    have = result.get("metrics") or {}
+    missing = [m for m in wanted if m not in have]
+    if not missing:
+        return None
+    n = len(result.get("iterations") or [])
+    return (f"{path}: entry {entry.id!r} gates growth across iterations ({', '.join(missing)}), but this run "
+            f"recorded {n} iteration(s): growth needs at least 3 (ppo_iteration(..., iterations=N), "
+            "rlhfmem_command(..., iterations=N) with rlhfmem.iteration() at the top of each step)")
+
+
 def incomplete(path: str | Path, entry: BudgetEntry) -> str | None:
     """``None`` when ``entry`` names every metric it is checked on: all of :data:`BUDGET_METRICS`, and all of
     :data:`SWAP_BUDGETS` when it names one of them (``entry_from_result`` writes them together); else one line
@@ -497,7 +526,7 @@ def entry_from_result(result: dict) -> dict:
     for k in SIZE_BUDGETS:
         if k in SWAP_BUDGETS and not m.get("host_staging_bytes"):
             continue
-        if k in ENGINE_METRIC_NAMES and k not in m:
+        if k in ENGINE_METRIC_NAMES + GROWTH_BUDGETS and k not in m:
             continue
         metrics[k] = format_size(int(m.get(k) or 0), exact=True)
     for k in COUNT_BUDGETS:

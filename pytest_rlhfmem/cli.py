@@ -174,6 +174,28 @@ def _diff(args: argparse.Namespace) -> int:
     return 1 if (args.fail_on_regression and d.regressed) else 0
 
 
+def _deps_diff(args: argparse.Namespace) -> int:
+    from .outputs import OutputError, check_file
+    from .upgrade import deps_diff
+
+    cell = args.cell[1:] if args.cell[:1] == ["--"] else args.cell
+    try:
+        for opt, path in (("--md", args.md), ("--json", args.json_out)):
+            if path:
+                check_file(path, opt)
+    except OutputError as exc:
+        raise CliError(str(exc)) from None
+    md, report, regressed = deps_diff(args.base, args.head, cell, work=args.work_dir, envs_dir=args.envs_dir,
+                                      extras=args.extras, threshold=args.threshold, timeout=args.timeout)
+    sys.stdout.write(md)
+    if args.md:
+        Path(args.md).write_text(md)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1))
+    print(f"\nresults, distributions and logs: {report['work_dir']}")
+    return 1 if (args.fail_on_regression and regressed) else 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     from .plot import load_result, plot_results
     from .report import ReportInputError
@@ -264,6 +286,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--time-spread", default=None, metavar="YAML", help="recorded run-to-run time spreads "
                    "(baselines/<profile>/time_spread.yaml) for results timed in one round")
     d.set_defaults(func=_diff)
+
+    u = sub.add_parser("deps-diff", help="one cell under two dependency sets (a dependency upgrade): the per-phase "
+                       "diff, the phase that moved and the packages that changed")
+    u.add_argument("--base", required=True, metavar="ENV", help="the old set: an interpreter, a virtual environment's "
+                   "directory, or a constraints file (.txt: an environment is built for it once)")
+    u.add_argument("--head", required=True, metavar="ENV", help="the new set, as --base")
+    u.add_argument("--work-dir", default=None, help="results, traces, distributions, logs (default: a new temporary "
+                   "directory, printed)")
+    u.add_argument("--envs-dir", default=None, help="where constraints files' environments are built (default: "
+                   "$RLHFMEM_CACHE_DIR/deps-envs)")
+    u.add_argument("--extras", default="deepspeed", help="this package's extras installed in a built environment "
+                   "(default deepspeed; '' for none)")
+    u.add_argument("--threshold", default="5%", help="relative change that counts (default 5%%)")
+    u.add_argument("--timeout", type=float, default=None, help="seconds each side's run may take")
+    u.add_argument("--md", default=None, metavar="OUT", help="also write the markdown report here")
+    u.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the JSON report here")
+    u.add_argument("--fail-on-regression", action="store_true", help="exit 1 when anything regressed")
+    u.add_argument("cell", nargs=argparse.REMAINDER, metavar="-- run|capture ARGS",
+                   help="after --: the rlhfmem run or capture arguments of the cell to record")
+    u.set_defaults(func=_deps_diff)
 
     pl = sub.add_parser("plot", help="Figure 1 of the study for one result, or two (one panel each)")
     pl.add_argument("results", nargs="+", metavar="RESULT.json")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from .budgets import BUDGET_METRICS, DEFAULT_TOLERANCES, SIZE_BUDGETS, BudgetError, load_budget_file
+from .budgets import (BUDGET_METRICS, DEFAULT_TOLERANCES, GROWTH_BUDGETS, SIZE_BUDGETS, BudgetError,
+                      load_budget_file)
 from .memory.events import SIMULATED_CAPTURES
 from .units import MAX_SIZE, format_size, read_file_bounded
 
@@ -58,6 +59,9 @@ RESULT_SCHEMA = {
     "simulated": "bool", "peak_phase": "text", "scenario": {"flush": "text"}, "metrics": ("map", "number"),
     "versions": ("map", "text"), "host_cpu": "mapping", "capture_description": "mapping",
     "iteration_wall_s": "number", "time_rounds": ["number"], "ranks": [_RANK],
+    "phases": ("map", {"peak_reserved": "number", "peak_allocated": "number"}),
+    "iterations": [{"iteration": "integer", "peak_reserved": "number", "peak_allocated": "number",
+                    "host_anon_peak": "number"}],
 }
 _WHAT = {"text": "text", "integer": "an integer", "number": "a finite number", "bool": "true or false",
          "mapping": "a mapping", "scalar": "text or a number"}
@@ -269,7 +273,8 @@ class DiffRow:
             return "-"
         if self.metric == TIME_METRIC:
             return f"{v:.2f} s"
-        return format_size(v) if self.metric in SIZE_BUDGETS else str(v)
+        metric = self.metric.rpartition(":")[2]  # a phase row's metric is <phase>:<metric>
+        return format_size(v) if metric in SIZE_BUDGETS else str(v)
 
     def to_dict(self) -> dict:
         return {"scenario": self.scenario, "metric": self.metric, "base": self.base, "head": self.head,
@@ -283,6 +288,7 @@ class Diff:
     head: Side
     threshold: float
     rows: list[DiffRow]
+    phase_rows: list[DiffRow] = field(default_factory=list)  # per phase (phase_diff): run results on both sides
 
     def counts(self) -> dict[str, int]:
         """Per scenario, its worst status."""
@@ -364,7 +370,8 @@ def diff(base: Side, head: Side, threshold: float = 0.05, spreads: dict | None =
     rows: list[DiffRow] = []
     for sid in sorted(set(base.scenarios) | set(head.scenarios)):
         b, h = base.scenarios.get(sid), head.scenarios.get(sid)
-        for m in BUDGET_METRICS:
+        grown = tuple(m for m in GROWTH_BUDGETS if any(s is not None and m in s["metrics"] for s in (b, h)))
+        for m in BUDGET_METRICS + grown:
             bv = None if b is None else b["metrics"].get(m)
             hv = None if h is None else h["metrics"].get(m)
             if h is not None and h["status"] != "ok":
@@ -388,9 +395,51 @@ def diff(base: Side, head: Side, threshold: float = 0.05, spreads: dict | None =
         tr = _time_row(sid, b, h, threshold, spreads)
         if tr is not None:
             rows.append(tr)
-    order = BUDGET_METRICS + (TIME_METRIC,)
+    order = BUDGET_METRICS + GROWTH_BUDGETS + (TIME_METRIC,)
     rows.sort(key=lambda r: (STATUS_ORDER[r.status], r.scenario, order.index(r.metric)))
-    return Diff(base, head, threshold, rows)
+    return Diff(base, head, threshold, rows, phase_diff(base, head, threshold))
+
+
+PHASE_METRICS = ("peak_reserved", "peak_allocated")
+
+
+def phase_diff(base: Side, head: Side, threshold: float) -> list[DiffRow]:
+    """Per phase of every scenario that is a run result on both sides (a budget file holds no phases) and finished on
+    both: its peak reserved and peak allocated, each a :class:`DiffRow` whose ``metric`` is ``<phase>:<metric>``,
+    with the whole-iteration rule (beyond ``threshold`` and the metric's noise floor). A phase on one side only is
+    ``new`` or ``missing``. Changed rows first, the largest absolute change first."""
+    out = []
+    for sid in sorted(set(base.scenarios) & set(head.scenarios)):
+        b, h = base.scenarios[sid].get("result"), head.scenarios[sid].get("result")
+        if not b or not h or b.get("status") != "ok" or h.get("status") != "ok":
+            continue
+        bp, hp = b.get("phases") or {}, h.get("phases") or {}
+        for name in [*bp, *(n for n in hp if n not in bp)]:
+            for m in PHASE_METRICS:
+                bv = (bp.get(name) or {}).get(m)
+                hv = (hp.get(name) or {}).get(m)
+                if bv is None or hv is None:
+                    status = "new" if bv is None else "missing"
+                else:
+                    bv, hv = int(bv), int(hv)
+                    limit = max(abs(bv) * threshold, DEFAULT_TOLERANCES[m].abs)
+                    status = ("regressed" if hv - bv > limit else "improved" if bv - hv > limit else "unchanged")
+                out.append(DiffRow(sid, f"{name}:{m}", bv, hv, status))
+    out.sort(key=lambda r: (r.status == "unchanged", -abs(r.delta or 0)))
+    return out
+
+
+def moved_phase(d: Diff) -> DiffRow | None:
+    """The phase row that moved most among those beyond threshold and noise, or ``None`` when no phase moved. Peak
+    allocated decides first: what a phase allocates moves its own peak, while memory it leaves cached raises the
+    peak reserved of every later window (the root window's too); then peak reserved. Among equal changes the phase
+    that comes first."""
+    moved = [r for r in d.phase_rows if r.status in ("regressed", "improved")]
+    for metric in PHASE_METRICS[::-1]:  # peak_allocated, then peak_reserved
+        rows = [r for r in moved if r.metric.endswith(":" + metric)]
+        if rows:
+            return max(rows, key=lambda r: abs(r.delta or 0))  # max keeps the first of equals
+    return None
 
 
 _MARK = {"regressed": "🔴 regressed", "improved": "🟢 improved", "unchanged": "unchanged", "new": "🆕 new",
@@ -437,14 +486,45 @@ def to_markdown(d: Diff, title: str = "RLHF memory diff") -> str:
     changed = [r for r in d.rows if r.status not in ("unchanged", "unmeasured")]
     lines += ["", "## Changes", ""]
     lines += _md_table(changed) if changed else ["No metric moved beyond the threshold."]
+    if d.phase_rows:
+        lines += ["", "## Per phase", ""]
+        top = moved_phase(d)
+        if top is None:
+            lines.append("No phase moved beyond the threshold.")
+        else:
+            phase, _, metric = top.metric.partition(":")
+            pct = f", {top.delta_pct:+.1f}%" if top.delta_pct is not None else ""
+            lines += [f"**The phase that moved most: `{phase}`** ({metric.replace('_', ' ')} {top.fmt(top.base)} -> "
+                      f"{top.fmt(top.head)}, {'+' if (top.delta or 0) > 0 else ''}{top.fmt(top.delta)}{pct}, "
+                      f"`{top.scenario}`)", ""]
+            lines += _md_table([r for r in d.phase_rows if r.status != "unchanged"])
+    lines += iteration_section(d)
     lines += ["", "<details><summary>All metrics</summary>", ""] + _md_table(d.rows) + ["", "</details>", ""]
     return "\n".join(lines)
 
 
+def iteration_section(d: Diff) -> list[str]:
+    """The per-iteration figures of every run result of either side that recorded several iterations (bytes shown
+    in MiB/GiB; device figures simulated where the capture is), as markdown lines; ``[]`` when none did."""
+    rows = []
+    for label, side in (("base", d.base), ("head", d.head)):
+        for sid, s in sorted(side.scenarios.items()):
+            for it in (s.get("result") or {}).get("iterations") or []:
+                rows.append(f"| `{sid}` | {label} | {it['iteration']} | {format_size(it.get('peak_reserved'))} | "
+                            f"{format_size(it.get('peak_allocated'))} | {format_size(it.get('host_anon_peak'))} |")
+    if not rows:
+        return []
+    return ["", "## Per iteration", "", "| scenario | side | iteration | peak reserved | peak allocated | "
+            "host anon peak |", "|---|---|---|---|---|---|", *rows]
+
+
 def to_json(d: Diff) -> dict:
+    top = moved_phase(d)
     return {"title": "RLHF memory diff", "threshold": d.threshold, "base": d.base.label, "head": d.head.label,
             "verdict": d.counts(), "regressed": d.regressed, "environments": d.environments(),
-            "environment_mismatches": d.environment_mismatches(), "rows": [r.to_dict() for r in d.rows]}
+            "environment_mismatches": d.environment_mismatches(), "rows": [r.to_dict() for r in d.rows],
+            "phase_rows": [r.to_dict() for r in d.phase_rows],
+            "moved_phase": None if top is None else top.metric.partition(":")[0]}
 
 
 def benchmark_json(results: list[dict]) -> list[dict]:

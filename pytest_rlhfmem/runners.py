@@ -83,7 +83,9 @@ class _Runner:
 class IterationRunner(_Runner):
     """``ppo_iteration(framework="deepspeed-chat", models="tiny-opt", strategy="none", flush="none",
     world_size=2, device=None, algorithm="ppo", **overrides)``: ONE RLHF iteration (PPO, or ``remax`` /
-    ``grpo``) in fresh worker processes (torchrun). Fails the test (``pytest.fail``) for an unknown name (with
+    ``grpo``) in fresh worker processes (torchrun); ``iterations=N`` (an override) runs N of them on the same
+    engines, with per-iteration figures and, for N >= 3, their growth. Fails the test (``pytest.fail``) for an
+    unknown name (with
     the list of valid ones), a device that cannot run it, a JIT op build that fails, and a crashed, hung or
     OOM run (with the rank, phase and memory so far)."""
 
@@ -113,15 +115,17 @@ class IterationRunner(_Runner):
 
 
 class CommandRunner(_Runner):
-    """``rlhfmem_command(cmd, *, id, world_size=None, timeout=None, env=None, device=None, cwd=None)``: YOUR
-    training command with every rank recorded from its first allocation, as ``rlhfmem capture`` does.
-    ``timeout`` is seconds (default ``--rlhfmem-timeout``). Fails the test (``pytest.fail``, one line starting
-    ``rlhfmem_command('<id>'):``) for a command that cannot run, and with the rank, phase and memory so far
-    for a crashed, hung or OOM rank."""
+    """``rlhfmem_command(cmd, *, id, world_size=None, timeout=None, env=None, device=None, cwd=None,
+    iterations=None)``: YOUR training command with every rank recorded from its first allocation, as ``rlhfmem
+    capture`` does. ``timeout`` is seconds (default ``--rlhfmem-timeout``). ``iterations=N``: the program runs N
+    iterations (``$RLHFMEM_ITERATIONS`` says N) and marks each with ``rlhfmem.iteration()``: the result has
+    per-iteration figures and, for N >= 3, their growth, which the budget gates. Fails the test (``pytest.fail``,
+    one line starting ``rlhfmem_command('<id>'):``) for a command that cannot run or that marked another number of
+    iterations, and with the rank, phase and memory so far for a crashed, hung or OOM rank."""
 
     def __call__(self, cmd: Sequence[str] | str, *, id: str, world_size: int | None = None,  # noqa: A002
                  timeout: float | None = None, env: dict | None = None, device: str | None = None,
-                 cwd: str | Path | None = None) -> IterationResult:
+                 cwd: str | Path | None = None, iterations: int | None = None) -> IterationResult:
         from .command.run import CommandError, run_command
 
         def start(work: Path, snapshots: str | None) -> dict:
@@ -129,6 +133,6 @@ class CommandRunner(_Runner):
                                timeout=timeout or self.option("rlhfmem_timeout"), snapshot_dir=snapshots,
                                work_dir=work, env=env, cwd=cwd,
                                cuda_emulation=self.option("rlhfmem_cuda_emulation") or "on",
-                               kill_leftovers=bool(self.option("rlhfmem_kill_leftovers")))
+                               kill_leftovers=bool(self.option("rlhfmem_kill_leftovers")), iterations=iterations)
 
         return self._run("rlhfmem-command", start, CommandError, f"rlhfmem_command({id!r}): ")

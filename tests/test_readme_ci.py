@@ -20,7 +20,8 @@ from doctables.options import plugin_options
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "examples" / "github-actions"
 JOBS = {"own-trainer.yml": {"cpu", "gpu"}, "rerecord-baselines.yml": {"record-cpu", "record-gpu"},
-        "rlhfmem.yml": {"cpu", "gpu-1", "gpu-4"}, "release.yml": {"build", "publish"}}
+        "rlhfmem.yml": {"cpu", "gpu-1", "gpu-4"}, "dependency-upgrade.yml": {"deps-diff"},
+        "release.yml": {"build", "publish"}}
 GPU_JOBS = {("own-trainer.yml", "gpu"), ("rerecord-baselines.yml", "record-gpu"), ("rlhfmem.yml", "gpu-1"),
             ("rlhfmem.yml", "gpu-4")}
 
@@ -119,7 +120,7 @@ def test_a_gpu_job_collects_only_gpu_marked_deepspeed_chat_cells(job):
 def test_the_readme_shows_the_own_trainer_workflow_and_links_the_others():
     readme = (ROOT / "README.md").read_text()
     assert "<!-- generated: python -m doctables.include examples/github-actions/own-trainer.yml -->" in readme
-    for name in ("rerecord-baselines.yml", "rlhfmem.yml"):
+    for name in ("rerecord-baselines.yml", "rlhfmem.yml", "dependency-upgrade.yml"):
         assert f"(examples/github-actions/{name})" in readme
 
 

@@ -40,8 +40,13 @@ class Spec:
     capacity: int | None = None
     recorded: bool = False
     # a colocated engine's gpu_memory_utilization: its KV cache resized as vLLM would size it on the device
-    # (rollout/engine.py: sizes_at); None: as recorded
+    # (rollout/engine.py: sizes_at), unpinned; None: as recorded
     utilization: float | None = None
+    # a colocated engine's kv_cache_memory_bytes pin (bytes; the vLLM versions that have it); None: as above
+    kv_cache: int | None = None
+    # False: expandable_segments stripped from the engine's process (rollout/engine.py:
+    # without_engine_expandable_segments); None: as recorded
+    engine_expandable_segments: bool | None = None
 
 
 def policy_boundaries(policy: str, names: list[str]) -> list[str] | None:

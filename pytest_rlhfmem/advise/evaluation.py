@@ -18,7 +18,7 @@ from ..memory.allocator import AllocatorConfig
 from ..memory.events import Trace
 from ..memory.replay import FREE_RUNNING, PYTHON, replay
 from ..memory.replay_engine import engine_for
-from ..rollout import sizes_at, with_mapping_sizes
+from ..rollout import ALL_TAGS_ZERO, sizes_at, with_mapping_sizes
 from .candidates import Spec
 from .inputs import RankInput
 
@@ -48,8 +48,14 @@ def _replay_one(job: tuple[Spec, int]) -> dict:
             names = [n for n in spec.flushes if n in ri.boundaries.positions]
             positions = [ri.boundaries.positions[n] for n in names]
     capacity = spec.capacity if spec.capacity is not None else _DEVICE_CAPACITY[0]
-    if spec.utilization is not None:  # the engine's KV cache as vLLM sizes it at this utilization on the device
-        events, cols = with_mapping_sizes(events, sizes_at(ri.engine, capacity, spec.utilization)), None
+    if spec.utilization is not None or spec.kv_cache is not None or spec.engine_expandable_segments is not None:
+        # the engine's mappings as vLLM sizes them on the device at this utilization (unpinned), this pin, or with
+        # expandable_segments stripped from its process (the sleep pool's records get the bytes)
+        pin = (spec.kv_cache if spec.kv_cache is not None else
+               None if spec.utilization is not None else ri.engine.get("kv_cache_memory_bytes"))
+        u = spec.utilization if spec.utilization is not None else ri.engine["gpu_memory_utilization"]
+        events, cols = with_mapping_sizes(events, {**ALL_TAGS_ZERO, **sizes_at(ri.engine, capacity, u, pin,
+                                                                            spec.engine_expandable_segments)}), None
     # the columns carry the Trace they were built from (inputs._rank_input): the Python engine replays that
     trace = cols if cols is not None else Trace(events=events, initial_segments=ri.trace.initial_segments,
                                                 allocator_settings=ri.trace.allocator_settings,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..memory.allocator import alloc_conf_variable
 from ..memory.events import CAPTURE_CUDA
+from ..rollout import DEFAULT_VLLM, KV_CACHE, KV_CACHE_EXPANDABLE, VLLM_VERSIONS, EngineSettingsError, sizes_at
 from ..units import format_size
 from .candidates import (
     DEFAULT_MAX_FLUSHES, Spec, check_settings, common_boundaries, describe, flush_candidates, setting_candidates,
@@ -136,41 +137,51 @@ UTILIZATIONS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05 .. 0.95: 
 
 
 def engine_search(si: ScenarioInput, evaluator: Evaluator, row: Row) -> dict | None:
-    """A colocated rollout engine's two settings, at the device's capacity (``evaluator.device_capacity``):
+    """A colocated rollout engine's settings, at the device's capacity (``evaluator.device_capacity``):
     the trainer's flush right before every wake-up (the boundaries :func:`wake_up_names` finds; TRL's
     ``sync_weights`` and verl's ``rollout_mode`` call ``empty_cache()`` there), costed as any flush (extra
     cudaMalloc/cudaFree against the unchanged program; a time only where CUDA flushes were measured), and
     ``gpu_memory_utilization`` from 0.05 to 0.95 in steps of 0.05 (and the recorded one), then of 0.01 where a
-    setting's OOMs begin, with and without that flush, each rank's KV cache sized as vLLM sizes it on that device
-    (``rollout/engine.py: sizes_at``). ``None`` where the input records no engine (every rank's
-    ``recipe.rollout_engine``), has no capacity, or no wake-up boundary. The largest utilization without an OOM is
-    reported for each; OOMs are taken as they come at each point (no monotonicity assumed). Sizes are bytes."""
+    setting's OOMs begin, with and without that flush, each rank's KV cache sized as the recorded vLLM version sizes
+    it on that device, unpinned (``rollout/engine.py: sizes_at``). Where every rank's vLLM has
+    ``kv_cache_memory_bytes`` (:func:`pin_search`), the largest pin that fits; where the engine held its memory
+    through sleep (``expandable_segments`` in its process: ``held_through_sleep_bytes``), the run with it stripped
+    (``"expandable_segments"``). ``"fix"``: the change that removes the unchanged program's OOMs, in words, where
+    one of these does (the recommendation names it when no flush or allocator setting does). ``None`` where the
+    input records no engine (every rank's ``recipe.rollout_engine``), has no capacity, or no wake-up boundary. The
+    largest utilization without an OOM is reported for each; OOMs are taken as they come at each point (no
+    monotonicity assumed). Sizes are bytes."""
     records = [ri.engine for ri in si.ranks]
     capacity = evaluator.device_capacity
     wake = tuple(n for n in common_boundaries(si.ranks) if n in wake_up_names(si))
     if capacity is None or not all(records) or not wake:
         return None
-    from ..rollout import KV_CACHE, EngineSettingsError, sizes_at
-
     evaluator.evaluate([Spec(flushes=wake)])
     flush = row("engine:flush-before-wake-up", "flush", Spec(flushes=wake))
     recorded = records[0]["gpu_memory_utilization"]
     points, specs = [], []
+
+    def kv_at(u: float) -> int:  # the largest rank's KV cache at u, unpinned; EngineSettingsError where vLLM raises
+        return max(_kv_bytes(sizes_at(r, capacity, u, None)) for r in records)
+
     for u in sorted(set(UTILIZATIONS) | {recorded}):
         try:
-            kv = max(sizes_at(r, capacity, u)[KV_CACHE] for r in records)
-        except EngineSettingsError:  # vLLM raises "No available memory for the cache blocks"
-            points.append({"utilization": u, "kv_cache": None})
+            kv = kv_at(u)
+        except EngineSettingsError as exc:  # "No available memory for the cache blocks", or the start check
+            points.append({"utilization": u, "kv_cache": None, "refused": str(exc)})
             continue
         points.append({"utilization": u, "kv_cache": kv})
         specs += [Spec(utilization=u), Spec(flushes=wake, utilization=u)]
     evaluator.evaluate(specs)
 
+    def fit(spec: Spec) -> dict:
+        r = evaluator.cache[spec]
+        return {k: r[k] for k in ("ooms", "alloc_retries", "external_map_failures", "peak_reserved",
+                                  "peak_device_used")}
+
     def fill(pt: dict) -> None:
         for key, fl in (("no_flush", ()), ("flush_before_wake_up", wake)):
-            r = evaluator.cache[Spec(flushes=fl, utilization=pt["utilization"])]
-            pt[key] = {k: r[k] for k in ("ooms", "alloc_retries", "external_map_failures", "peak_reserved",
-                                         "peak_device_used")}
+            pt[key] = fit(Spec(flushes=fl, utilization=pt["utilization"]))
 
     for pt in points:
         if pt["kv_cache"] is not None:
@@ -184,8 +195,7 @@ def engine_search(si: ScenarioInput, evaluator: Evaluator, row: Row) -> dict | N
                 for k in range(1, round((hi["utilization"] - lo["utilization"]) * 100)):
                     u = round(lo["utilization"] + 0.01 * k, 2)
                     if all(p["utilization"] != u for p in points + extra):
-                        extra.append({"utilization": u, "kv_cache": max(sizes_at(r, capacity, u)[KV_CACHE]
-                                                                        for r in records)})
+                        extra.append({"utilization": u, "kv_cache": kv_at(u)})
     evaluator.evaluate([Spec(flushes=fl, utilization=p["utilization"]) for p in extra for fl in ((), wake)])
     for pt in extra:
         fill(pt)
@@ -204,22 +214,112 @@ def engine_search(si: ScenarioInput, evaluator: Evaluator, row: Row) -> dict | N
     starts = [p["utilization"] for p in points if p["kv_cache"] is not None]
     floor = (f" (below {starts[0]:.2f} vLLM finds no memory for a KV cache at all)" if starts and starts[0] > 0.05
              else "")
+    refused_above = [p for p in points if p["kv_cache"] is None and starts and p["utilization"] > starts[-1]]
+    ceiling = (f"; from {refused_above[0]['utilization']:.2f} vLLM refuses to start: {refused_above[0]['refused']}"
+               if refused_above else "")
 
     def fit_text(p: dict | None, how: str) -> str:
         return (f"no gpu_memory_utilization from 0.05 to 0.95 fits {how}{floor}" if p is None else
                 f"gpu_memory_utilization up to {p['utilization']:.2f} fits {how} "
                 f"(KV cache {format_size(p['kv_cache'])})")
 
-    text = (f"on a {format_size(capacity)} device: {fit_text(best, 'with the flush before wake_up')}; "
-            f"{fit_text(plain, 'without it')}; the run's {recorded:.2f} "
-            + ("cannot start the engine (no KV cache fits)" if at["kv_cache"] is None else
+    vllm = records[0].get("vllm", DEFAULT_VLLM)
+    pinned = records[0].get("kv_cache_memory_bytes")
+    text = (f"on a {format_size(capacity)} device, vLLM {vllm}'s {VLLM_VERSIONS[vllm].sizing} sizing"
+            + (f" (the run pins kv_cache_memory_bytes={pinned}; the utilizations below are unpinned)" if pinned
+               else "")
+            + f": {fit_text(best, 'with the flush before wake_up')}; {fit_text(plain, 'without it')}{ceiling}; "
+            f"the run's {recorded:.2f} "
+            + ("cannot start the engine (vLLM raises)" if at["kv_cache"] is None else
                f"(KV cache {format_size(at['kv_cache'])}) has {at['no_flush']['ooms']} OOM(s) without the flush, "
                f"{at['flush_before_wake_up']['ooms']} with it")
             + f". The flush before wake_up (after {', '.join(wake)}) costs {cost}")
-    return {"capacity": capacity, "wake_up_boundaries": list(wake), "flush": flush, "recorded_utilization": recorded,
-            "points": points, "largest_fitting": {"flush_before_wake_up": best and best["utilization"],
-                                                  "no_flush": plain and plain["utilization"]},
-            "text": text}
+    out = {"capacity": capacity, "wake_up_boundaries": list(wake), "flush": flush, "recorded_utilization": recorded,
+           "vllm": vllm, "points": points,
+           "largest_fitting": {"flush_before_wake_up": best and best["utilization"],
+                               "no_flush": plain and plain["utilization"]},
+           "pin": None, "expandable_segments": None, "fix": None, "text": text}
+    base = evaluator.cache[Spec()]
+    fixes = []
+    if all(VLLM_VERSIONS[r.get("vllm", DEFAULT_VLLM)].kv_cache_memory_bytes for r in records):
+        out["pin"] = pin_search(records, capacity, wake, evaluator, fit)
+        pin = out["pin"]["largest_fitting"]
+        if pin["no_flush"] or pin["flush_before_wake_up"]:
+            kv, how = ((pin["no_flush"], "as the program runs") if pin["no_flush"] else
+                       (pin["flush_before_wake_up"], "with the flush before wake_up"))
+            out["text"] += (f". kv_cache_memory_bytes takes precedence over gpu_memory_utilization in vLLM {vllm}: "
+                            f"the largest pin that fits {how} is kv_cache_memory_bytes={kv} ({format_size(kv)})")
+            fixes.append(f"pin the engine's KV cache: kv_cache_memory_bytes={kv} ({format_size(kv)}, the largest "
+                         f"that fits {how} on the {format_size(capacity)} device; vLLM {vllm} sized "
+                         f"{format_size(max(_kv_bytes(r['mappings']) for r in records))} at gpu_memory_utilization "
+                         f"{recorded:.2f})")
+        else:
+            out["text"] += ". No kv_cache_memory_bytes pin fits: " + out["pin"]["why"]
+    held = max(r.get("held_through_sleep_bytes", 0) for r in records)
+    if held:
+        plain_spec, flushed_spec = (Spec(engine_expandable_segments=False),
+                                    Spec(flushes=wake, engine_expandable_segments=False))
+        evaluator.evaluate([plain_spec, flushed_spec])
+        stripped = fit(plain_spec)
+        out["expandable_segments"] = {"held_through_sleep": held, "stripped": stripped,
+                                      "stripped_with_flush": fit(flushed_spec)}
+        strip = ("strip expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF (and PYTORCH_ALLOC_CONF) in the "
+                 "engine's process (OpenRLHF PR 1274 does it in each rollout actor), or run a vLLM whose "
+                 "use_memory_pool turns it off (cumem.py at 010c211)")
+        out["text"] += (f". Sleep freed 0 B: with expandable_segments:True in the engine's process, vLLM {vllm}'s "
+                        f"CuMemAllocator never sees the engine's {format_size(held)} (PyTorch's alloc_block maps its "
+                        f"own expandable segments inside the MemPool), which stay through training; {strip}: then "
+                        f"each sleep releases them, and the run has {stripped['ooms']} OOM(s) "
+                        f"({base['ooms']} as recorded)")
+        if not stripped["ooms"]:
+            fixes.insert(0, f"{strip}: the engine's sleep then releases {format_size(held)}")
+    if at["kv_cache"] is not None and not held:
+        ok = [p for p in points if p["kv_cache"] is not None and p["no_flush"]["ooms"] == 0]
+        if ok:
+            u = max(ok, key=lambda p: p["utilization"])
+            fixes.append(f"lower the engine's gpu_memory_utilization to {u['utilization']:.2f} (KV cache "
+                         f"{format_size(u['kv_cache'])})")
+    if base["ooms"] and fixes:
+        out["fix"] = {"candidate": "engine", "text": (" or ".join(fixes) + f": removes the {base['ooms']} OOM(s) of "
+                                                      "the unchanged program at the device's capacity")}
+    return out
+
+
+def _kv_bytes(sizes: dict[str, int]) -> int:
+    """A colocated engine's KV cache bytes in ``sizes`` (by tag), wherever its memory was held."""
+    return sizes.get(KV_CACHE) or sizes.get(KV_CACHE_EXPANDABLE, 0)
+
+
+def pin_search(records: list[dict], capacity: int, wake: tuple[str, ...], evaluator: Evaluator,
+               fit: Callable[[Spec], dict]) -> dict:
+    """The largest ``kv_cache_memory_bytes`` (bytes, a 2 MiB multiple) without an OOM at ``capacity``, with and
+    without the flush before wake-up (``wake``), found by bisection between 2 MiB and the capacity (OOMs taken not
+    to decrease as the KV cache grows; every answer is a replay). vLLM's start check still applies to the
+    recorded utilization: where it refuses, no pin fits (``"why"``). Returns ``{"largest_fitting": {"no_flush":
+    bytes | None, "flush_before_wake_up": bytes | None}, "replays": int, "why": str}``."""
+    step = 2 * 2**20
+    out = {"largest_fitting": {}, "replays": 0, "why": ""}
+    try:
+        for r in records:
+            sizes_at(r, capacity, r["gpu_memory_utilization"], step)
+    except EngineSettingsError as exc:
+        out["largest_fitting"] = {"no_flush": None, "flush_before_wake_up": None}
+        out["why"] = str(exc)
+        return out
+    for key, fl in (("no_flush", ()), ("flush_before_wake_up", wake)):
+        lo, hi = 0, capacity // step  # in steps: lo fits (0: none yet), hi + 1 never does
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            evaluator.evaluate([Spec(flushes=fl, kv_cache=mid * step)])
+            out["replays"] += 1
+            if fit(Spec(flushes=fl, kv_cache=mid * step))["ooms"] == 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        out["largest_fitting"][key] = lo * step if lo else None
+    if not any(out["largest_fitting"].values()):
+        out["why"] = "even a 2 MiB KV cache leaves an OOM (the trainer alone does not fit)"
+    return out
 
 
 def rank_rows(rows_by_id: dict[str, dict], policies: dict[str, str | None]
@@ -268,6 +368,8 @@ def advise_scenario(si: ScenarioInput, evaluator: Evaluator, max_flushes: int = 
     ranked, policies = rank_rows(rows_by_id, policies)
     engine = engine_search(si, evaluator, row)
     recommendation = _recommend(ranked[0], base, si.torch_version, ranked)
+    if engine and engine["fix"] and recommendation["candidate"] == "none":  # only the engine's settings remove them
+        recommendation = dict(engine["fix"])
     if engine and "expandable_segments:True" in recommendation["text"]:
         engine["text"] += (". Expandable segments beside an engine: vLLM turns them off inside its own pool, SGLang's "
                            "torch_memory_saver refuses them in PYTORCH_CUDA_ALLOC_CONF, verl switches them off around "

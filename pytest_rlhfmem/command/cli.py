@@ -47,6 +47,9 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
                         "(default: each new segment above the previous one), first-fit, or first-fit:SIZE (the "
                         "lowest free range that fits, below which the CUDA context holds SIZE until the first "
                         "cuBLAS handle; 188MiB on the GPU of the wedson recordings: docs/allocator-model.md)")
+    c.add_argument("--iterations", type=_whole, default=None, metavar="N",
+                   help="the program runs N iterations ($RLHFMEM_ITERATIONS says N) and marks each with "
+                        "rlhfmem.iteration(); a run that marks another number fails")
     c.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the result here")
     c.add_argument("--snapshot-dir", default=None, help="save each rank's trace as a memory_viz snapshot")
     c.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT_S,
@@ -61,11 +64,19 @@ def add_capture_parser(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_capture)
 
 
+def _whole(text: str) -> int:
+    """``--iterations``: a whole number >= 1 (argparse's one line otherwise)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed values are whole numbers >= 1")
+    return int(text)
+
+
 def _capture(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from ..results import IterationResult
     from ..timing import run_rounds
-    from ..rlhf.cli_run import check_outputs, finish_runs, phase_table, warn_leftovers, write_json_or_keep
+    from ..rlhf.cli_run import (check_outputs, finish_runs, iteration_table, phase_table, warn_leftovers,
+                                write_json_or_keep)
     from .run import SIMULATED_DEVICES, CommandError, default_id, plan_command, run_command
     from ..memory.driver_va import ENV_SEGMENT_PLACEMENT, SegmentPlacement
     from ..simcuda.library import ENV_SDPA
@@ -98,7 +109,7 @@ def _capture(args: argparse.Namespace) -> int:
         return run_command(cmd, ident, world_size=args.world_size, nproc_per_node=args.nproc_per_node,
                            device=args.device, timeout=args.timeout, snapshot_dir=snapshot_dir,
                            cuda_emulation=args.cuda_emulation, env=env or None, sim_values=args.sim_values,
-                           kill_leftovers=args.kill_leftovers,
+                           kill_leftovers=args.kill_leftovers, iterations=args.iterations,
                            on_progress=lambda line: print(line, file=sys.stderr, flush=True))
 
     try:
@@ -120,6 +131,8 @@ def _capture(args: argparse.Namespace) -> int:
     for line in phase_table(result):
         print(line)
     print(f"peak reserved reached in phase: {result['peak_phase']}")
+    for line in iteration_table(result):
+        print(line)
     if lost:
         print(lost, file=sys.stderr)
         return 1

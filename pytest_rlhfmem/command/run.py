@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..hardware import REHEARSAL_DEVICE, code_device
+from ..iterations import ENV_ITERATIONS
 from ..owned import WorkDirError, claim_work_dir, remove_work
 from ..record.recorder import history_settings
 from ..rlhf.launch import (DEFAULT_TIMEOUT_S, TORCHRUN_LOG_DIR, aggregate, command_env, progress_line,
@@ -236,7 +237,7 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
                 snapshot_dir: str | Path | None = None, work_dir: str | Path | None = None,
                 env: dict | None = None, cwd: str | Path | None = None, cuda_emulation: str = "on",
                 sim_values: str | None = None, on_progress: Callable[[str], None] | None = None,
-                kill_leftovers: bool = False) -> dict:
+                kill_leftovers: bool = False, iterations: int | None = None) -> dict:
     """Run ``command`` once with every rank recorded; returns the result (``rlhfmem run``'s schema:
     ``scenario`` = ``{"kind": "command", "id", "command", "world_size"}``, ``scenario_id`` = ``id``).
 
@@ -253,9 +254,15 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     :class:`CommandError` (one line) for bad input: see :func:`plan_command`, an empty ``id``, a
     command that ended before any rank imported torch, or one whose ranks allocated no device memory
     (with a non-zero exit status: "exited with code N before its first allocation"; nothing was measured).
+
+    ``iterations`` (a whole number >= 1): the iterations the program is asked to run, in ``$RLHFMEM_ITERATIONS``
+    (``iterations.py``; the program reads it, or runs that many by its own arguments), and marks with
+    ``rlhfmem.iteration()``; a finished run that marked another number raises :class:`CommandError` naming both.
     """
     if not id or not isinstance(id, str):
         raise CommandError("a capture needs an id (the budget entry's key), e.g. --id my-trainer/ppo")
+    if iterations is not None and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1):
+        raise CommandError(f"iterations={iterations!r}: allowed values are whole numbers >= 1")
     argv, n, is_torchrun = plan_command(command, world_size, nproc_per_node)
     if device not in SIMULATED_DEVICES:  # one CUDA device per rank of this machine: refused before any rank starts
         try:
@@ -270,6 +277,8 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     if cuda_emulation not in ("on", "off"):
         raise CommandError(f"cuda_emulation {cuda_emulation!r}: allowed values are on, off")
     extra = {**(env or {}), R.ENV_CUDA_EMULATION: cuda_emulation}
+    if iterations is not None:
+        extra[ENV_ITERATIONS] = str(iterations)
     if device in SIMULATED_DEVICES:
         values = sim_values or extra.get(ENV_VALUES) or os.environ.get(ENV_VALUES) or "on"
         try:
@@ -284,11 +293,17 @@ def run_command(command: Sequence[str] | str, id: str, world_size: int | None = 
     except WorkDirError as exc:
         raise CommandError(str(exc)) from None
     try:
-        return _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd,
-                       on_progress, kill_leftovers) | {"work_dir_created": created}
+        result = _run_in(work, argv, n, is_torchrun, id, device, timeout, snapshot_dir, extra, cwd,
+                         on_progress, kill_leftovers) | {"work_dir_created": created}
     except CommandError:
         remove_work(work, created)  # nothing was measured; the message quotes the command's last output line
         raise
+    marked = len(result.get("iterations") or [])
+    if iterations is not None and result["status"] == "ok" and marked != iterations:
+        raise CommandError(f"iterations={iterations} asked, but {shlex.join(argv)} marked {marked} iteration(s): "
+                           "call rlhfmem.iteration() at the top of each step (import pytest_rlhfmem as rlhfmem) and "
+                           f"run as many steps as ${ENV_ITERATIONS} says")
+    return result
 
 
 def _run_in(work: Path, argv: list[str], n: int, is_torchrun: bool, id: str, device: str,  # noqa: A002

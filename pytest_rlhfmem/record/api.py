@@ -8,6 +8,7 @@
     optimizer.step()
     rlhfmem.end_phase("optimizer_step")
     rlhfmem.flush_point("after-generate")    # "the device cache is emptied here"
+    rlhfmem.iteration()                      # a training iteration (step) begins here
     rlhfmem.deepspeed_offload(engine)        # DeepSpeed offload: host-resident state leaves the device trace
 
 Every call is a no-op when no capture is active in this process (the script runs outside
@@ -101,6 +102,27 @@ def end_phase(name: str) -> None:
         innermost = repr(_opened[-1][0]) if _opened else "none"
         raise ValueError(f"rlhfmem.end_phase({name!r}): the innermost phase begin_phase opened is {innermost}")
     _opened.pop()[1].__exit__(None, None, None)
+
+
+def iteration() -> int | None:
+    """Mark the start of a training iteration (a step: rollout, scoring, update), at the top of the loop body::
+
+        for step in range(steps):
+            rlhfmem.iteration()
+            ...
+
+    Under a capture the k-th call starts iteration k (returned): the result gains per-iteration figures (device
+    peaks, cudaMalloc count, host peaks, what each phase left allocated to the end) and, from three iterations on,
+    their growth per iteration from iteration 2 (``growth_peak_reserved``, ``growth_peak_allocated``,
+    ``growth_host_anon``, bytes per iteration), which a budget gates (docs/budgets.md, "Growth across
+    iterations"). What runs before the first call (building the models) is the setup, iteration 0. Phases keep
+    their names: a phase repeated every iteration is still one row of the per-phase table, and each iteration's
+    figures are in ``result["iterations"]``. Without a capture: returns ``None`` and does nothing. Call it from
+    the main thread."""
+    rec = _active
+    if rec is None:
+        return None
+    return rec.iteration()
 
 
 def flush_point(name: str) -> None:

@@ -170,6 +170,9 @@ def _make_marker_mode():
             self._mark = mark
             self._owner = threading.get_ident()
             self._info: dict = {}  # op -> (name, Tensor-typed argument positions, composite, CPU kernel)
+            # each distinct OP_BEGIN payload once: a run's marks share them (8 bytes a mark in the list, not a new
+            # tuple per op: the recorder's own host memory grows by what it must, Recorder.own_bytes)
+            self._payloads: dict = {}
 
         def _op_info(self, func) -> tuple:
             info = self._info.get(func)
@@ -200,7 +203,8 @@ def _make_marker_mode():
             thread = "autograd" if graph_task_id() != -1 else "caller"
             temp = CUDA_TEMPORARIES.get(name)
             temps = temp.sizes(args, kwargs) if temp is not None else ()
-            self._mark(OP_BEGIN, (name, thread, n_scalars, cpu_kernel, temps))
+            payload = (name, thread, n_scalars, cpu_kernel, temps)
+            self._mark(OP_BEGIN, self._payloads.setdefault(payload, payload))
             try:
                 return func(*args, **kwargs)
             finally:

@@ -309,6 +309,10 @@ class HostMemory:
     io_total: tuple[int, int] = (0, 0)  # storage (read, write) bytes since start
     heap_method: str = HEAP_MALLINFO2
     swap_totals: dict[str, int | None] = field(default_factory=dict)  # HOST_SWAP_NAMES over the iteration
+    # a run of several iterations (Recorder.iteration): the one running (0: the setup) and, per iteration, its
+    # peaks (host_peak_rss, host_anon_peak; bytes), folded in at every boundary
+    iteration: int = 0
+    iterations: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def start(self) -> None:
         """Begin measuring (before the first model is built)."""
@@ -334,6 +338,11 @@ class HostMemory:
         self._boundary()
         self._open.append(name)
 
+    def begin_iteration(self, k: int) -> None:
+        """Iteration ``k`` begins: the peaks so far close the previous one (:attr:`iterations`)."""
+        self._boundary()
+        self.iteration = k
+
     def end_phase(self, name: str) -> None:
         self._boundary()
         if self._open and self._open[-1] == name:
@@ -352,6 +361,10 @@ class HostMemory:
             self.swap_totals[k] = max(self.swap_totals.get(k) or 0, swap[k])
         self.peak_rss = max(self.peak_rss, rss)
         self.anon_peak = max(self.anon_peak, anon)
+        if self.iteration:
+            it = self.iterations.setdefault(self.iteration, {"host_peak_rss": 0, "host_anon_peak": 0})
+            it["host_peak_rss"] = max(it["host_peak_rss"], rss)
+            it["host_anon_peak"] = max(it["host_anon_peak"], anon)
         self.pinned_peak = max(self.pinned_peak, pinned)
         io = storage_io()
         dr, dw = io[0] - self._io_last[0], io[1] - self._io_last[1]

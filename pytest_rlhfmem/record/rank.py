@@ -74,9 +74,14 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
     if result.external_peak or result.external_map_failures:  # a colocated engine's mappings (memory/events.py)
         total["engine_mapped_peak"] = result.external_peak  # bytes mapped outside the caching allocator at once
         total["peak_device_used"] = result.peak_device_used  # reserved + engine mapped, at its peak
+    # each engine mapping the card could not back (a wake-up's OOM): name, bytes, phase, reserved, external, capacity
+    failures = {"external_map_failures": result.external_map_failures} if result.external_map_failures else {}
     if is_cuda and phases:
         for k in ("peak_reserved", "peak_allocated"):
             total[k] = max(total[k], *(p[k] for p in phases))
+    iterations = None
+    if getattr(rec, "iteration_no", 0):  # a run of several iterations (iterations.py): the windows of each
+        iterations = iteration_figures(trace, phases, rec)
     coll = result.collector
     series = coll.series.downsample() if coll.series is not None else None
     if series is not None:
@@ -103,6 +108,7 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "total": total,
         "phases": phases,
         "peak_phase": result.peak_phase,
+        **failures,
         "final_requested": result.final_requested,
         "flushes": result.flushes,
         "cuda_frees_outside_flushes": result.cuda_frees_outside_flushes,
@@ -112,7 +118,49 @@ def rank_result(scenario, rank: int, world_size: int, device: str, rec, trace, r
         "frees_on_other_threads": dict(zip(("count", "bytes", "largest"), rec.frees_on_other_threads)),
         "recipe": recipe_info or {},
         "series": series,
+        **({"iterations": iterations} if iterations is not None else {}),
     }
+
+
+def iteration_figures(trace, windows: list[dict], rec) -> list[dict] | dict:
+    """This rank's per-iteration rows (``iterations.py: iteration_rows``) from the replay's windows (in trace order),
+    the iteration of each (``rec.window_iterations``), the host meter's per-iteration peaks and the bytes each
+    iteration's phases left allocated to the end of the trace (:func:`kept_by_iteration`). A trace whose windows
+    the recorder did not mark one for one gives ``{"error": ...}`` instead of rows."""
+    from ..iterations import iteration_rows
+
+    host = getattr(getattr(rec, "host", None), "iterations", None)
+    try:
+        return iteration_rows(windows, rec.window_iterations, host, kept_by_iteration(trace, rec.window_iterations),
+                              rec.iteration_no, getattr(rec, "recorder_bytes", None))
+    except ValueError as exc:
+        return {"error": f"per-iteration figures not derived: {exc}"}
+
+
+def kept_by_iteration(trace, window_iterations: list[int]) -> dict[int, dict[str, int]]:
+    """Per iteration (>= 1), per phase: the bytes (requested, as the trace's ALLOCs carry them) allocated in that
+    iteration's windows of that phase and never freed before the trace ends. The i-th PHASE event opens the i-th
+    window (``window_iterations[i]`` its iteration); an allocation before the first window belongs to no iteration."""
+    from ..memory.events import ALLOC, FREE, PHASE
+
+    live: dict[int, tuple[int, int, str]] = {}  # address -> (bytes, iteration, phase)
+    w, it, phase = -1, 0, ""
+    for e in trace.events:
+        a = e.action
+        if a == ALLOC:
+            live[e.addr] = (e.size, it, phase)
+        elif a == FREE:
+            live.pop(e.addr, None)
+        elif a == PHASE:
+            w += 1
+            it = window_iterations[w] if w < len(window_iterations) else it
+            phase = e.name
+    out: dict[int, dict[str, int]] = {}
+    for size, k, name in live.values():
+        if k >= 1:
+            by = out.setdefault(k, {})
+            by[name] = by.get(name, 0) + size
+    return out
 
 
 

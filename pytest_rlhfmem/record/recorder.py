@@ -131,6 +131,12 @@ class Recorder:
     row_source: object = None
     flush_times: list[tuple[str, float]] = field(default_factory=list)  # CUDA: (point, seconds) per empty_cache
     _so_far: SoFar | None = None  # CPU, cuda-sim: the figures so far, advanced at each progress file
+    # iterations (iterations.py): the one running (0 before the first :meth:`iteration` mark: the setup), and the
+    # iteration of each PHASE mark made, in order: the trace's windows are those marks, one each
+    iteration_no: int = 0
+    window_iterations: list[int] = field(default_factory=list)
+    recorder_bytes: dict[int, int] = field(default_factory=dict)  # per iteration: own_bytes() at its end
+    _op_marks: dict = field(default_factory=dict)  # each distinct (kind, payload) of the op marks, once
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,6 +172,8 @@ class Recorder:
         """Stop recording and return the device trace (phases, flushes, placement applied). Raises
         :class:`HistoryWrapped` on CUDA when the memory history lost its first entries."""
         self.restore_empty_cache()
+        if self.iteration_no:  # the last iteration ends here
+            self.recorder_bytes[self.iteration_no] = self.own_bytes()
         if self.device == "off":
             return Trace(events=[], capture="none", source="capture off")
         if self.device == "cuda":
@@ -178,10 +186,18 @@ class Recorder:
             return
         if self.device == "cuda":
             if kind in (PHASE, PHASE_END, FLUSH):
+                if kind == PHASE:
+                    self.window_iterations.append(self.iteration_no)
                 self._mark_cuda(kind, str(payload))
             return
+        if kind == PHASE:
+            self.window_iterations.append(self.iteration_no)
         k = len(self._marks)
-        self._marks.append((kind, payload))
+        if kind in (emulation.OP_BEGIN, emulation.OP_END):  # one per op: shared, so a mark costs its list slot
+            mark = (kind, payload)
+            self._marks.append(self._op_marks.setdefault(mark, mark))
+        else:
+            self._marks.append((kind, payload))
         if self._ext is not None:
             self._ext.mark(k)
 
@@ -235,6 +251,31 @@ class Recorder:
                 self._mark(PHASE, resume)
                 if self.on_phase is not None:
                     self.on_phase(resume)
+
+    def iteration(self) -> int:
+        """Iteration ``k`` (1, 2, ...) of the training loop begins here; returns ``k``. What was recorded before the
+        first mark is the setup (iteration 0). The window the program is in (the innermost open phase, else the root
+        window) starts again here, so each window belongs to one iteration (``window_iterations``), and the host
+        meter closes its iteration's peaks. Marks nothing in a capture that records nothing (``device`` off)."""
+        if self.iteration_no:
+            self.recorder_bytes[self.iteration_no] = self.own_bytes()
+        self.iteration_no += 1
+        if self.host is not None:
+            self.host.begin_iteration(self.iteration_no)
+        resume = self._stack[-1].name if self._stack else self.root
+        if resume is not None:
+            self._mark(PHASE, resume)
+        return self.iteration_no
+
+    def own_bytes(self) -> int:
+        """Host memory (bytes) the recording itself holds now, which the program's host figures must not be charged
+        with: the CPU allocation recorder's entries and live-pointer map (its ``own_bytes``) and the marks' list
+        slots (8 bytes each; op marks are shared tuples). 0 for the other recorders (the simulated CUDA device's log
+        and a GPU's memory history grow too, uncounted: docs/budgets.md, "Growth across iterations")."""
+        ext = self._ext
+        if ext is None or self.row_source is not None or not hasattr(ext, "own_bytes"):
+            return 0
+        return int(ext.own_bytes()) + 8 * len(self._marks) + 200 * len(self._op_marks)
 
     def flush(self, point: str) -> None:
         """The flush policy's ``torch.cuda.empty_cache()``: real on CUDA, a FLUSH event on CPU."""

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..iterations import describe_rows, growth
 from ..memory.events import capture_label
 from ..record.host import format_rss
 from ..units import format_size
@@ -57,6 +58,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--device", default="auto", help=f"one of: {', '.join(DEVICES)}")
     r.add_argument("--batch-size", type=count(1), default=None, help="prompts per rank (an integer >= 1; default: "
                    "the model pair's)")
+    r.add_argument("--iterations", type=count(1), default=None,
+                   help="iterations on the same engines (default 1): per-iteration figures and, from 3 on, their "
+                        "growth per iteration; part of the scenario id")
     r.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None,
                    help="model precision (default: the recipe's GPU precision, fp16 for DeepSpeed-Chat, on any CPU; "
                         "ColossalChat's CPU runs fp32); a non-default dtype is part of the scenario id")
@@ -205,6 +209,21 @@ def phase_table(result: dict) -> list[str]:
     return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
 
 
+def iteration_table(result: dict) -> list[str]:
+    """A run of several iterations: its per-iteration rows (``iterations.py: describe_rows``; max over ranks) and
+    its growth per iteration from iteration 2 on (three iterations or more); ``[]`` for one iteration."""
+    rows = result.get("iterations") or []
+    if not rows:
+        return [f"per-iteration figures: {result['iterations_error']}"] if result.get("iterations_error") else []
+    out = ["", *describe_rows(rows)]
+    g = growth(rows)
+    if g:
+        label = "simulated" if result.get("simulated") else "measured"
+        out.append(f"growth per iteration from iteration 2 ({label} device figures, measured host): "
+                   + ", ".join(f"{k} {format_size(v)}" for k, v in g.items()))
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     from ..errors import CliError
     from .launch import run_scenario
@@ -217,6 +236,8 @@ def _run(args: argparse.Namespace) -> int:
         overrides["dtype"] = args.dtype
     if args.group_size is not None:
         overrides["group_size"] = args.group_size
+    if args.iterations is not None:
+        overrides["iterations"] = args.iterations
     try:
         nodes, world_size = nodes_from_args(args)
         scenario = Scenario(args.framework, args.models, args.strategy, args.flush, world_size, overrides,
@@ -260,6 +281,8 @@ def _run(args: argparse.Namespace) -> int:
     for line in phase_table(result):
         print(line)
     print(f"peak reserved reached in phase: {result['peak_phase']}")
+    for line in iteration_table(result):
+        print(line)
     if lost:
         print(lost, file=sys.stderr)
         return 1

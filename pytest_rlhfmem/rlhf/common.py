@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from ..record.recorder import PhaseRecord, Recorder
-from ..rollout import ColocatedEngine, EngineStandIn
+from ..rollout import DEFAULT_VLLM, ColocatedEngine, EngineStandIn
 from .models import ModelPair
 from .scenario import Scenario
 
@@ -120,6 +120,16 @@ class PhaseSteps:
         self.rec = rec
         self.hooks = FaultHooks(scenario, rank)
         self.flush_after = frozenset(p for p in scenario.phases if scenario.flush_after(p))
+        self.n_iterations = scenario.iterations
+
+    def iterations(self) -> Iterator[int]:
+        """The iterations of the run on the engines built once (the scenario's override ``iterations``, default 1):
+        yields 1..N. With N > 1 each begins with :meth:`Recorder.iteration` (per-iteration figures, their growth:
+        ``iterations.py``); a single iteration marks nothing, so its trace and figures are what they always were."""
+        for k in range(1, self.n_iterations + 1):
+            if self.n_iterations > 1:
+                self.rec.iteration()
+            yield k
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[PhaseRecord]:
@@ -149,14 +159,19 @@ def rollout_stand_in(scenario: Scenario, rec: Recorder, actor: torch.nn.Module, 
     its weights the actor's parameters in ``dtype`` (bytes; ZeRO-3's ``ds_numel``: the whole parameter, as vLLM
     holds it), ``gpu_memory_utilization`` (default 0.3, TRL's), ``sleep_level`` (default 1; 0: never sleeps),
     ``flush_before_wake_up`` (default True: TRL's ``empty_cache()`` before ``wake_up``), its KV cache sized against
-    ``capacity_mib`` (default an 80 GiB card). Raises ``rollout.EngineSettingsError`` when no KV cache fits."""
+    ``capacity_mib`` (default an 80 GiB card) by ``vllm``'s rules (default ``rollout.DEFAULT_VLLM``) or pinned by
+    ``kv_cache_memory_bytes``, ``engine_expandable_segments`` in its process. Raises ``rollout.EngineSettingsError``
+    when no KV cache fits or vLLM's start check fails."""
     if not scenario.get("rollout_engine"):
         return None
     elements = sum(int(getattr(p, "ds_numel", p.numel())) for p in actor.parameters())
     engine = ColocatedEngine(weights_bytes=elements * torch.empty((), dtype=dtype).element_size(),
                              gpu_memory_utilization=scenario.get("gpu_memory_utilization", 0.3),
                              sleep_level=scenario.get("sleep_level", 1) or None,
-                             flush_before_wake_up=scenario.get("flush_before_wake_up", True))
+                             flush_before_wake_up=scenario.get("flush_before_wake_up", True),
+                             vllm=scenario.get("vllm", DEFAULT_VLLM),
+                             kv_cache_memory_bytes=scenario.get("kv_cache_memory_bytes"),
+                             expandable_segments=scenario.get("engine_expandable_segments", False))
     stand_in = EngineStandIn(engine, rec, engine_card_bytes(scenario))
     stand_in.start()
     return stand_in

@@ -36,6 +36,7 @@ from ..record.recorder import history_settings
 from ..record.host import HOST_IO_NAMES, HOST_METRIC_NAMES, HOST_SWAP_NAMES
 from ..memory.metrics import METRIC_NAMES
 from ..budgets import ENGINE_SIZE_NAMES
+from ..iterations import growth, merge_ranks
 from .scenario import DEVICES, Scenario, ScenarioError
 
 DEFAULT_TIMEOUT_S = 900.0
@@ -838,6 +839,9 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         per = [p for r in ranks for p in r["phases"] if p["phase"] == name]
         phases[name] = {m: max((p.get(m) or 0) for p in per) for m in names + ("wall_s",)}
     peak_rank = max(ranks, key=lambda r: r["total"]["peak_reserved"]) if ranks else {}
+    iterations, iteration_errors = iteration_summary(ranks)
+    if ok and iterations:
+        metrics.update(growth(iterations))  # bytes per iteration from iteration 2 on (>= 3 iterations)
     log_tail = ""
     if not ok:  # each node's agent's log, the first node's first
         log_tail = "\n".join(p.read_bytes()[-3000:].decode(errors="replace") for p in logs if p.exists())
@@ -865,6 +869,9 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         "peak_phase": peak_rank.get("peak_phase"),
         "wall_s": round(wall_s, 3),
         "iteration_wall_s": max((r["wall_s"] for r in ranks), default=None),
+        **({"iterations": iterations} if iterations else {}),
+        **({"capacity": first["capacity"]} if first.get("capacity") else {}),  # bytes the replay ran against
+        **({"iterations_error": iteration_errors} if iteration_errors else {}),
         "ranks": ranks,
         "work_dir": str(work),
         "log_tail": log_tail,
@@ -872,6 +879,20 @@ def aggregate(scenario: Scenario, device: str, work: Path, returncode: int | Non
         **({"nodes": nodes.describe() | {"agents": {nodes.node_rank: {"returncode": returncode}} | agents}}
            if nodes is not None else {}),
     }
+
+
+def iteration_summary(ranks: list[dict]) -> tuple[list[dict], str | None]:
+    """The scenario's per-iteration rows (``iterations.py: merge_ranks``: per iteration the maximum over ranks) from
+    the ranks that recorded iterations, and the first rank's reason where its rows could not be derived (else
+    ``None``)."""
+    rows, errors = [], []
+    for r in ranks:
+        it = r.get("iterations")
+        if isinstance(it, dict):
+            errors.append(f"rank {r.get('rank')}: {it.get('error')}")
+        elif it:
+            rows.append(it)
+    return merge_ranks(rows), (errors[0] if errors else None)
 
 
 def _leftovers(work: Path) -> list[dict]:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..hardware import REHEARSAL_DEVICE
+from ..rollout import DEFAULT_VLLM, ColocatedEngine, EngineSettingsError
 
 FRAMEWORKS = ("deepspeed-chat", "colossalchat")
 STRATEGIES = ("none", "zero1", "zero2", "zero3", "zero3-offload", "grad-ckpt", "all",
@@ -50,10 +51,19 @@ OVERRIDES: dict[str, type] = {
     "rollout_engine": bool,
     "sleep_level": int,  # 1 or 2 (Worker.sleep(level)); 0: the engine never sleeps
     "gpu_memory_utilization": float,  # vLLM's, in (0, 1]; default 0.3 (TRL's vllm_gpu_memory_utilization)
+    "kv_cache_memory_bytes": int,  # vLLM's pin of the KV cache (bytes), where the vllm version has it
+    # the engine's environment, not the scenario's identity (out of its id, as a dependency's version is): whose
+    # rules (rollout/engine.py: VLLM_VERSIONS) and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its process
+    "vllm": str,
+    "engine_expandable_segments": bool,
     "flush_before_wake_up": bool,  # the trainer's empty_cache() right before wake_up (TRL's sync_weights)
     "capacity_mib": int,  # the device the engine sizes its KV cache against (MiB; default 81920, an 80 GiB card)
+    # iterations on the same engines (default 1): per-iteration figures, and from 3 their growth (iterations.py)
+    "iterations": int,
 }
-ROLLOUT_ENGINE_SETTINGS = ("sleep_level", "gpu_memory_utilization", "flush_before_wake_up", "capacity_mib")
+ROLLOUT_ENGINE_SETTINGS = ("sleep_level", "gpu_memory_utilization", "flush_before_wake_up", "capacity_mib",
+                           "kv_cache_memory_bytes")
+ROLLOUT_ENGINE_ENVIRONMENT = ("vllm", "engine_expandable_segments")
 SLEEP_LEVELS = (0, 1, 2)  # 0: never sleeps
 NULLABLE = ("actor_dropout",)  # None: not set (actor_dropout None keeps the model config's dropout)
 # overrides that are a DeepSpeed-Chat training-script flag
@@ -110,7 +120,7 @@ class Scenario:
             if k in self.overrides and (self.framework != "deepspeed-chat" or self.algorithm != "ppo"):
                 raise ScenarioError(f"override {k} is a flag of DeepSpeed-Chat's PPO script: framework must be "
                                     f"deepspeed-chat and algorithm ppo, got {self.framework!r} / {self.algorithm!r}")
-        for k in ("rollout_engine", *ROLLOUT_ENGINE_SETTINGS):
+        for k in ("rollout_engine", *ROLLOUT_ENGINE_SETTINGS, *ROLLOUT_ENGINE_ENVIRONMENT):
             if k in self.overrides and (self.framework != "deepspeed-chat"
                                         or self.algorithm not in ROLLOUT_ENGINE_ALGORITHMS):
                 raise ScenarioError(f"override {k} sets the colocated rollout engine, wired into DeepSpeed-Chat's "
@@ -119,6 +129,14 @@ class Scenario:
         if self.overrides.get("hybrid_engine_kernels") and self.overrides.get("hybrid_engine") is False:
             raise ScenarioError("override hybrid_engine_kernels=True injects the Hybrid Engine's kernels: it needs "
                                 "hybrid_engine True (or unset where the pair's script enables it), got False")
+        if self.overrides.get("iterations", 1) < 1:
+            raise ScenarioError(f"override iterations={self.overrides['iterations']!r}: allowed values are whole "
+                                "numbers >= 1")
+        if self.overrides.get("iterations", 1) > 1 and self.framework != "deepspeed-chat":
+            raise ScenarioError(f"override iterations={self.overrides['iterations']!r}: several iterations run on "
+                                "the deepspeed-chat recipe; colossalchat's moves its reference and reward models "
+                                "between host and device every iteration, which the recipe does not follow yet: "
+                                "allowed for colossalchat: 1")
         self._check_rollout_engine()
         if "group_size" in self.overrides:
             if self.algorithm != "grpo":
@@ -130,7 +148,7 @@ class Scenario:
     def _check_rollout_engine(self) -> None:
         """The colocated engine's overrides: one line naming the allowed values."""
         o = self.overrides
-        given = [k for k in ROLLOUT_ENGINE_SETTINGS if k in o]
+        given = [k for k in (*ROLLOUT_ENGINE_SETTINGS, *ROLLOUT_ENGINE_ENVIRONMENT) if k in o]
         if given and not o.get("rollout_engine"):
             raise ScenarioError(f"override {given[0]} sets the colocated rollout engine: it needs rollout_engine=True")
         if o.get("sleep_level", 1) not in SLEEP_LEVELS:
@@ -140,6 +158,10 @@ class Scenario:
             raise ScenarioError(f"override gpu_memory_utilization={u!r}: allowed values are in (0, 1]")
         if o.get("capacity_mib", 1) <= 0:
             raise ScenarioError(f"override capacity_mib={o['capacity_mib']!r}: allowed values are 1 MiB or more")
+        try:  # vllm, kv_cache_memory_bytes: the engine's own one line (rollout/engine.py)
+            ColocatedEngine(0, vllm=o.get("vllm", DEFAULT_VLLM), kv_cache_memory_bytes=o.get("kv_cache_memory_bytes"))
+        except EngineSettingsError as exc:
+            raise ScenarioError(f"override {exc}") from None
         if o.get("rollout_engine") and self.strategy == "hydra":
             raise ScenarioError("override rollout_engine=True: the colocated engine is wired into DeepSpeed-Chat's "
                                 "PPO iteration, not Hydra-PPO's (strategy hydra)")
@@ -151,11 +173,17 @@ class Scenario:
         shape = [f"{k}={self.overrides[k]}" for k in sorted(self.overrides)
                  if k in ("batch_size", "prompt_len", "answer_len", "lora_dim", "only_optimize_lora", "dtype",
                           "group_size", "ema", "hybrid_engine", "actor_dropout", "hybrid_engine_kernels",
-                          "rollout_engine", *ROLLOUT_ENGINE_SETTINGS)]
+                          "rollout_engine", *ROLLOUT_ENGINE_SETTINGS, "iterations")
+                 and (k, self.overrides[k]) != ("iterations", 1)]  # one iteration: the id it always had
         return base + ("/" + ",".join(shape) if shape else "")
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.overrides.get(key, default)
+
+    @property
+    def iterations(self) -> int:
+        """The iterations to run on the same engines (override ``iterations``, default 1)."""
+        return int(self.overrides.get("iterations", 1))
 
     def flush_after(self, phase: str) -> bool:
         """Does the flush policy call empty_cache at the end of ``phase``?"""

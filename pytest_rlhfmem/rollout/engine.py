@@ -21,6 +21,29 @@ docs/colocated-rollout.md names):
 
 In a trace these are ``EXTERNAL_MAP``/``EXTERNAL_UNMAP`` events (memory/events.py): the replay's capacity minus
 them is what the trainer's cudaMalloc can have, and a wake-up the device cannot back is an OOM. Sizes are bytes.
+
+Which vLLM (``ColocatedEngine.vllm``, :data:`VLLM_VERSIONS`): the KV cache's sizing rule and what the sleep pool does
+with ``expandable_segments:True`` changed between the commits read (docs/incidents.md, incidents 2 and 3):
+
+- ``0012cf6`` (the default, as above): ``total * gpu_memory_utilization - (allocated_bytes.all.peak + non-torch)``,
+  the process's torch peak over the profile run: a colocated trainer's live tensors shrink the KV cache.
+- ``35d5cda`` (``gpu_worker.py``) with ``vllm/utils/mem_utils.py`` at ``a6d5c39``: ``init_device`` snapshots the
+  device (``MemorySnapshot``: ``torch.cuda.mem_get_info``, ``memory_reserved``) and raises unless its free memory
+  covers ``total * gpu_memory_utilization`` (``requested_memory``); ``determine_available_memory`` returns
+  ``requested_memory - non_kv_cache_memory``, where ``memory_profiling`` counts the weights
+  (``model_memory_usage``), the torch peak's increase over the profile run alone (``reset_peak_memory_stats`` then
+  ``before_profile.measure()``) and the non-torch increase since the init snapshot: what the process held before
+  the engine started no longer counts, so beside a colocated trainer the KV cache is larger by the trainer's live
+  bytes. ``CacheConfig.kv_cache_memory_bytes`` (vLLM PR 21489) skips the profiling and is the KV cache.
+- ``9ac9658`` (``vllm/device_allocator/cumem.py`` of vLLM PR 11743, the first sleep mode; sizing as ``0012cf6``):
+  ``use_memory_pool`` does not touch ``expandable_segments``, and PyTorch's ``alloc_block`` (c10/cuda/
+  CUDACachingAllocator.cpp at 001074d, torch 2.6) takes the expandable-segments branch before the pool's
+  pluggable allocator: ``try_allocate_expandable_block`` maps the memory itself, so ``python_malloc_callback`` never
+  records it and ``sleep`` unmaps nothing ("Sleep mode freed 0.00 GiB", vLLM PR 11743's thread, PyTorch issue
+  147851). With ``expandable_segments`` in the engine's process, its weights and KV cache are then the caching
+  allocator's expandable segments in the engine's ``MemPool``s, held through every sleep. From cumem.py at
+  ``010c211`` (the ``0012cf6`` and ``35d5cda`` rows) ``use_memory_pool`` sets ``expandable_segments:False`` inside the
+  pool and restores it after.
 """
 
 from __future__ import annotations
@@ -38,7 +61,12 @@ KV_CACHE = "kv_cache"
 CUDA_GRAPH = "cuda_graph"  # not a CuMemAllocator tag: the graphs' private pool, held through sleep
 SLEEP_LEVELS = (1, 2)  # gpu_worker.py: Worker.sleep(level); None here: sleep mode off (enable_sleep_mode=False)
 MAPPING_GRANULARITY = 2 * 1024 * 1024  # bytes: the caching allocator's large segments (kRoundLarge) the pool maps
-_MAP_ID = {WEIGHTS: 1, KV_CACHE: 2, CUDA_GRAPH: 3}
+# with expandable_segments where the sleep pool does not turn them off (VllmRules.expandable_segments_in_pool
+# "bypass"): the caching allocator's own segments in the engine's MemPools, which sleep never releases
+WEIGHTS_EXPANDABLE = "weights@expandable_segment"
+KV_CACHE_EXPANDABLE = "kv_cache@expandable_segment"
+_MAP_ID = {WEIGHTS: 1, KV_CACHE: 2, CUDA_GRAPH: 3, WEIGHTS_EXPANDABLE: 4, KV_CACHE_EXPANDABLE: 5}
+_HELD_AS = {WEIGHTS: WEIGHTS_EXPANDABLE, KV_CACHE: KV_CACHE_EXPANDABLE}
 _ENGINE_ALLOC = 1 << 62  # the engine's forward temporaries: an address no recorded tensor has
 FLUSH_BEFORE_WAKE_UP = "before-wake-up"  # FLUSH names this module writes
 FLUSH_AT_SLEEP = "engine-sleep"  # CuMemAllocator.sleep's own torch.cuda.empty_cache()
@@ -50,6 +78,40 @@ class EngineSettingsError(ValueError):
 
 def _round_up(size: int) -> int:
     return -(-size // MAPPING_GRANULARITY) * MAPPING_GRANULARITY
+
+
+TORCH_PEAK = "torch-peak"  # KV cache = total * utilization - (the process's allocated peak + non-torch)
+INIT_SNAPSHOT = "init-snapshot"  # KV cache = total * utilization - what the engine added since its init snapshot
+
+
+@dataclass(frozen=True)
+class VllmRules:
+    """What one vLLM version decides about the engine's device memory, read at the commits ``source`` names.
+
+    ``sizing``: :data:`TORCH_PEAK` or :data:`INIT_SNAPSHOT` (:meth:`ColocatedEngine.sizes`).
+    ``kv_cache_memory_bytes``: whether ``CacheConfig.kv_cache_memory_bytes`` exists (vLLM PR 21489).
+    ``expandable_segments_in_pool``: ``"off"`` (``use_memory_pool`` turns them off inside the sleep pool) or
+    ``"bypass"`` (the pool never sees the memory: sleep releases nothing)."""
+
+    commit: str
+    sizing: str
+    kv_cache_memory_bytes: bool
+    expandable_segments_in_pool: str
+    source: str
+
+
+VLLM_VERSIONS: dict[str, VllmRules] = {r.commit: r for r in (
+    VllmRules("0012cf6", TORCH_PEAK, False, "off",
+              "vllm/v1/worker/gpu_worker.py at 0012cf6 (determine_available_memory), vllm/device_allocator/cumem.py "
+              "at 010c211 (use_memory_pool)"),
+    VllmRules("35d5cda", INIT_SNAPSHOT, True, "off",
+              "vllm/v1/worker/gpu_worker.py at 35d5cda (init_device, determine_available_memory), "
+              "vllm/utils/mem_utils.py at a6d5c39 (MemorySnapshot, memory_profiling), cumem.py at 010c211"),
+    VllmRules("9ac9658", TORCH_PEAK, False, "bypass",
+              "vllm/device_allocator/cumem.py at 9ac9658 (vLLM PR 11743), c10/cuda/CUDACachingAllocator.cpp at "
+              "001074d (alloc_block); sizing as 0012cf6"),
+)}
+DEFAULT_VLLM = "0012cf6"  # the rules this module followed before more than one version was modelled
 
 
 def kv_cache_bytes(capacity: int, gpu_memory_utilization: float, torch_peak_bytes: int,
@@ -68,6 +130,21 @@ def kv_cache_bytes(capacity: int, gpu_memory_utilization: float, torch_peak_byte
     return available // MAPPING_GRANULARITY * MAPPING_GRANULARITY
 
 
+def check_free_at_init(capacity: int, gpu_memory_utilization: float, used_bytes: int) -> None:
+    """vLLM's start check from ``init_device`` on (``35d5cda``): the device's free memory at the engine's init
+    snapshot (``capacity - used_bytes``) must cover ``requested_memory = capacity * gpu_memory_utilization``, else
+    it raises. ``used_bytes``: what the process holds then (the trainer's live tensors; vLLM's ``empty_cache()``
+    before the snapshot cannot release them). Raises :class:`EngineSettingsError` in vLLM's words."""
+    requested = capacity * gpu_memory_utilization
+    free = capacity - used_bytes
+    if free < requested:
+        gib = 2**30
+        raise EngineSettingsError(
+            f"Free memory on device ({free / gib:.2f}/{capacity / gib:.2f} GiB) on startup is less than desired GPU "
+            f"memory utilization ({gpu_memory_utilization}, {requested / gib:.2f} GiB): the trainer holds "
+            f"{used_bytes} bytes when the engine starts (lower gpu_memory_utilization)")
+
+
 @dataclass(frozen=True)
 class ColocatedEngine:
     """A vLLM engine in the trainer's process (TRL's ``vllm_mode="colocate"``).
@@ -78,7 +155,10 @@ class ColocatedEngine:
     ``sync_weights``). ``activation_peak_bytes``: the engine's forward temporaries (the profile run's peak above
     the weights), allocated by the trainer's caching allocator during a rollout. ``cuda_graph_bytes``: the CUDA
     graphs' private pool (0: ``enforce_eager``), mapped at start and never released by sleep.
-    Raises :class:`EngineSettingsError` for a setting out of range."""
+    ``vllm``: whose rules (a key of :data:`VLLM_VERSIONS`, default :data:`DEFAULT_VLLM`). ``kv_cache_memory_bytes``:
+    vLLM's pin of the KV cache (bytes; ``None``: sized from the utilization), where the version has it.
+    ``expandable_segments``: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in the engine's process.
+    Raises :class:`EngineSettingsError` for a setting out of range, one line naming the allowed values."""
 
     weights_bytes: int
     gpu_memory_utilization: float = 0.3  # TRL's vllm_gpu_memory_utilization default (grpo_config.py)
@@ -86,6 +166,9 @@ class ColocatedEngine:
     flush_before_wake_up: bool = True
     activation_peak_bytes: int = 0
     cuda_graph_bytes: int = 0
+    vllm: str = DEFAULT_VLLM
+    kv_cache_memory_bytes: int | None = None
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -96,36 +179,84 @@ class ColocatedEngine:
         for name in ("weights_bytes", "activation_peak_bytes", "cuda_graph_bytes"):
             if getattr(self, name) < 0:
                 raise EngineSettingsError(f"{name} {getattr(self, name)}: allowed values are 0 or more bytes")
+        if self.vllm not in VLLM_VERSIONS:
+            raise EngineSettingsError(f"vllm {self.vllm!r}: allowed values are {', '.join(VLLM_VERSIONS)} (the commits "
+                                      "whose rules are modelled)")
+        pin = self.kv_cache_memory_bytes
+        if pin is not None:
+            if isinstance(pin, bool) or not isinstance(pin, int) or pin < MAPPING_GRANULARITY:
+                raise EngineSettingsError(f"kv_cache_memory_bytes {pin!r}: allowed values are whole bytes, at least "
+                                          f"{MAPPING_GRANULARITY} (2 MiB), or None")
+            if not self.rules.kv_cache_memory_bytes:
+                with_pin = ", ".join(c for c, r in VLLM_VERSIONS.items() if r.kv_cache_memory_bytes)
+                raise EngineSettingsError(f"kv_cache_memory_bytes: vLLM {self.vllm} has no such setting (vLLM PR "
+                                          f"21489); allowed with vllm {with_pin}")
+
+    @property
+    def rules(self) -> VllmRules:
+        return VLLM_VERSIONS[self.vllm]
+
+    @property
+    def holds_through_sleep(self) -> bool:
+        """Whether sleep leaves the weights and KV cache mapped: ``expandable_segments`` in the engine's process
+        where the version's sleep pool does not turn them off (``9ac9658``)."""
+        return self.expandable_segments and self.rules.expandable_segments_in_pool == "bypass"
 
     def sizes(self, capacity: int, trainer_allocated: int) -> dict[str, int]:
         """The bytes each mapping takes on a device of ``capacity`` bytes when the engine starts beside a trainer
-        holding ``trainer_allocated`` bytes of live tensors: ``{weights, kv_cache, cuda_graph}`` (2 MiB multiples).
-        Raises :class:`EngineSettingsError` when no KV cache fits (:func:`kv_cache_bytes`)."""
+        holding ``trainer_allocated`` bytes of live tensors: ``{weights, kv_cache, cuda_graph}`` (2 MiB multiples),
+        and where sleep releases nothing (:attr:`holds_through_sleep`) ``weights``/``kv_cache`` 0 (the sleep pool
+        records nothing) and the same bytes as ``weights@expandable_segment``/``kv_cache@expandable_segment`` (the
+        segments' own 2 MiB / 20 MiB pages are not modelled: at most 20 MiB more per pool). The KV cache by
+        :attr:`rules`: :data:`TORCH_PEAK` subtracts the trainer's live bytes with the engine's weights and
+        temporaries (:func:`kv_cache_bytes`); :data:`INIT_SNAPSHOT` checks the free memory at init
+        (:func:`check_free_at_init`) and subtracts the engine's own bytes only, or takes ``kv_cache_memory_bytes``
+        (rounded down to 2 MiB). Raises :class:`EngineSettingsError` when no KV cache fits
+        or the start check fails."""
         weights = _round_up(self.weights_bytes)
-        peak = trainer_allocated + weights + self.activation_peak_bytes
-        return {WEIGHTS: weights, KV_CACHE: kv_cache_bytes(capacity, self.gpu_memory_utilization, peak),
-                CUDA_GRAPH: _round_up(self.cuda_graph_bytes)}
+        if self.rules.sizing == INIT_SNAPSHOT:
+            check_free_at_init(capacity, self.gpu_memory_utilization, trainer_allocated)
+            if self.kv_cache_memory_bytes is not None:
+                kv = self.kv_cache_memory_bytes // MAPPING_GRANULARITY * MAPPING_GRANULARITY
+            else:
+                kv = kv_cache_bytes(capacity, self.gpu_memory_utilization, weights + self.activation_peak_bytes)
+        else:
+            kv = kv_cache_bytes(capacity, self.gpu_memory_utilization,
+                                trainer_allocated + weights + self.activation_peak_bytes)
+        out = {WEIGHTS: weights, KV_CACHE: kv, CUDA_GRAPH: _round_up(self.cuda_graph_bytes)}
+        if self.holds_through_sleep:
+            for tag in (WEIGHTS, KV_CACHE):
+                out[_HELD_AS[tag]], out[tag] = out[tag], 0
+        return out
 
     def host_bytes_asleep(self, sizes: dict[str, int]) -> int:
         """Pinned host bytes the engine holds while asleep: the weights at level 1, nothing at level 2 or awake."""
         return sizes[WEIGHTS] if self.sleep_level == 1 else 0
 
+    def _cumem_tags(self, sizes: dict[str, int]) -> list[str]:
+        """The sleep pool's tags that have mappings: all of them where sleep releases nothing (0 bytes each, so that
+        the trace keeps where the engine slept and woke up), else those with bytes."""
+        return [t for t in (WEIGHTS, KV_CACHE) if sizes[t] or self.holds_through_sleep]
+
     # -- events -------------------------------------------------------------------------------
 
     def start_events(self, sizes: dict[str, int]) -> list[Event]:
-        """``LLM(...)``: weights, then KV cache, then the CUDA graphs; asleep at once in sleep mode (TRL)."""
-        out = [Event(EXTERNAL_MAP, _MAP_ID[t], sizes[t], name=t) for t in (WEIGHTS, KV_CACHE, CUDA_GRAPH) if sizes[t]]
+        """``LLM(...)``: weights, then KV cache, then the CUDA graphs (where sleep releases nothing, the sleep pool's
+        empty records and then the expandable segments that hold the memory); asleep at once in sleep mode (TRL)."""
+        tags = [*self._cumem_tags(sizes), *(t for t in (WEIGHTS_EXPANDABLE, KV_CACHE_EXPANDABLE, CUDA_GRAPH)
+                                           if sizes.get(t))]
+        out = [Event(EXTERNAL_MAP, _MAP_ID[t], sizes[t], name=t) for t in tags]
         return out + (self.sleep_events(sizes) if self.sleep_level is not None else [])
 
     def sleep_events(self, sizes: dict[str, int]) -> list[Event]:
         """``sleep(level)``: every CuMemAllocator mapping released (both levels), then ``empty_cache()``."""
-        return [Event(EXTERNAL_UNMAP, _MAP_ID[t], sizes[t], name=t) for t in (WEIGHTS, KV_CACHE) if sizes[t]] + [
+        return [Event(EXTERNAL_UNMAP, _MAP_ID[t], sizes[t], name=t) for t in self._cumem_tags(sizes)] + [
             Event(FLUSH, name=FLUSH_AT_SLEEP)]
 
     def wake_events(self, sizes: dict[str, int]) -> list[Event]:
         """The trainer's flush if asked, then ``wake_up(["weights"])`` and ``wake_up(["kv_cache"])``."""
         out = [Event(FLUSH, name=FLUSH_BEFORE_WAKE_UP)] if self.flush_before_wake_up else []
-        return out + [Event(EXTERNAL_MAP, _MAP_ID[t], sizes[t], name=t) for t in (WEIGHTS, KV_CACHE) if sizes[t]]
+        return out + [Event(EXTERNAL_MAP, _MAP_ID[t], sizes[t], name=t) for t in self._cumem_tags(sizes)]
 
 
 def _live_bytes(events: list[Event]) -> int:
@@ -139,15 +270,37 @@ def _live_bytes(events: list[Event]) -> int:
     return sum(live.values())
 
 
-def sizes_at(record: dict, capacity: int, gpu_memory_utilization: float) -> dict[str, int]:
-    """The mapping sizes (bytes: ``{weights, kv_cache, cuda_graph}``) the engine of ``record`` (a run's
+_KEEP = object()
+
+
+def engine_of(record: dict, gpu_memory_utilization: float | None = None, kv_cache_memory_bytes=_KEEP,
+              expandable_segments: bool | None = None) -> ColocatedEngine:
+    """The :class:`ColocatedEngine` of ``record`` (a run's :meth:`EngineStandIn.describe`; a record written before
+    the vLLM versions were modelled is :data:`DEFAULT_VLLM`'s), with any of ``gpu_memory_utilization``,
+    ``kv_cache_memory_bytes`` (bytes, or ``None``: unpinned) and ``expandable_segments`` replaced. Raises
+    :class:`EngineSettingsError` for a setting out of range."""
+    return ColocatedEngine(
+        record["weights_bytes"],
+        record["gpu_memory_utilization"] if gpu_memory_utilization is None else gpu_memory_utilization,
+        record.get("sleep_level"), record.get("flush_before_wake_up", True), record.get("activation_peak_bytes", 0),
+        record.get("cuda_graph_bytes", 0), record.get("vllm", DEFAULT_VLLM),
+        record.get("kv_cache_memory_bytes") if kv_cache_memory_bytes is _KEEP else kv_cache_memory_bytes,
+        record.get("expandable_segments", False) if expandable_segments is None else expandable_segments)
+
+
+def sizes_at(record: dict, capacity: int, gpu_memory_utilization: float, kv_cache_memory_bytes=_KEEP,
+             expandable_segments: bool | None = None) -> dict[str, int]:
+    """The mapping sizes (bytes, by tag: :meth:`ColocatedEngine.sizes`) the engine of ``record`` (a run's
     :meth:`EngineStandIn.describe`) would have on a card of ``capacity`` bytes at ``gpu_memory_utilization``, beside
-    the same trainer (its ``trainer_allocated_at_start``). Raises :class:`EngineSettingsError` where no KV cache
-    fits (vLLM raises) or the utilization is out of range."""
-    engine = ColocatedEngine(record["weights_bytes"], gpu_memory_utilization, record.get("sleep_level"),
-                             record.get("flush_before_wake_up", True), record.get("activation_peak_bytes", 0),
-                             record.get("cuda_graph_bytes", 0))
-    return engine.sizes(capacity, record["trainer_allocated_at_start"])
+    the same trainer (its ``trainer_allocated_at_start``), under the record's vLLM rules; ``kv_cache_memory_bytes``
+    and ``expandable_segments`` as in :func:`engine_of`; :data:`ALL_TAGS_ZERO` updated with it resizes every
+    mapping a run could have made. Raises :class:`EngineSettingsError` where no KV cache fits or vLLM's start check
+    fails (vLLM raises) or a setting is out of range."""
+    return engine_of(record, gpu_memory_utilization, kv_cache_memory_bytes, expandable_segments).sizes(
+        capacity, record["trainer_allocated_at_start"])
+
+
+ALL_TAGS_ZERO = {WEIGHTS_EXPANDABLE: 0, KV_CACHE_EXPANDABLE: 0}  # the tags a size dict may leave out, at 0 bytes
 
 
 def with_mapping_sizes(events: list[Event], sizes: dict[str, int]) -> list[Event]:
@@ -275,13 +428,20 @@ class EngineStandIn:
     def describe(self) -> dict:
         """What the engine was, for the result's recipe record and ``rlhfmem advise``'s utilization search (bytes):
         its settings, the card ``capacity``, the mapping sizes and ``trainer_allocated_at_start`` (what vLLM's
-        profile run counted besides its own weights and temporaries: :meth:`ColocatedEngine.sizes`)."""
+        profile run counted besides its own weights and temporaries: :meth:`ColocatedEngine.sizes`); the vLLM rules
+        (``vllm``, ``kv_cache_sizing``, ``kv_cache_memory_bytes``, ``expandable_segments``), what each sleep
+        unmaps (``sleep_frees_bytes``, 0 is vLLM's "Sleep mode freed 0.00 GiB") and what it cannot
+        (``held_through_sleep_bytes``)."""
         assert self.sizes is not None, "EngineStandIn.describe before start"
         e = self.engine
         return {"engine": "vLLM sleep mode (stand-in, rollout/engine.py)", "capacity": self.capacity,
                 "gpu_memory_utilization": e.gpu_memory_utilization, "sleep_level": e.sleep_level,
                 "flush_before_wake_up": e.flush_before_wake_up, "weights_bytes": e.weights_bytes,
                 "activation_peak_bytes": e.activation_peak_bytes, "cuda_graph_bytes": e.cuda_graph_bytes,
+                "vllm": e.vllm, "kv_cache_sizing": e.rules.sizing, "kv_cache_memory_bytes": e.kv_cache_memory_bytes,
+                "expandable_segments": e.expandable_segments,
+                "sleep_frees_bytes": self.sizes[WEIGHTS] + self.sizes[KV_CACHE],
+                "held_through_sleep_bytes": sum(self.sizes.get(t, 0) for t in _HELD_AS.values()),
                 "mappings": dict(self.sizes),
                 "trainer_allocated_at_start": self.sizes_info["trainer_allocated_at_start"]}
 
@@ -315,3 +475,64 @@ class EngineStandIn:
                 self.rec.external_unmap(e.addr, e.size, e.name)
             elif e.action == FLUSH:
                 self.rec.flush(e.name)
+
+
+def without_engine_expandable_segments(events: list[Event], record: dict, capacity: int) -> list[Event]:
+    """``events`` (a run whose engine held its memory through sleep: ``record["held_through_sleep_bytes"]``) as the
+    same program runs with ``expandable_segments:True`` stripped from the engine's process (OpenRLHF PR 1274) or a
+    vLLM whose ``use_memory_pool`` turns it off: the sleep pool's mappings get the bytes (:func:`sizes_at` without
+    expandable segments, on a card of ``capacity`` bytes), the expandable segments none. The list keeps its length
+    and order (the empty sleep-pool records mark where the engine slept and woke up)."""
+    return with_mapping_sizes(events, {**ALL_TAGS_ZERO, **sizes_at(record, capacity, record["gpu_memory_utilization"],
+                                                                    expandable_segments=False)})
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def oom_causes(result: dict) -> list[str]:
+    """One line per rank and phase with OOMs in ``result`` (a run's result JSON, its ``ranks`` each with
+    ``phases``, ``external_map_failures`` and the recipe's ``rollout_engine`` record): a colocated engine's wake-up
+    that the card could not back (which mapping, bytes, what the trainer reserved and the engine held then, and how
+    that vLLM sized its KV cache), or the trainer's allocations failing beside what the engine held (and why sleep
+    released nothing, where it did not). ``[]`` without OOMs. Sizes in the lines are MiB (simulated figures)."""
+    lines = []
+    for rank in result.get("ranks") or []:
+        record = (rank.get("recipe") or {}).get("rollout_engine")
+        failures = rank.get("external_map_failures") or []
+        by_phase: dict[str, int] = {}
+        for f in failures:
+            by_phase[f["phase"]] = by_phase.get(f["phase"], 0) + 1
+        who = f"rank {rank.get('rank', 0)}: " if len(result.get("ranks") or []) > 1 else ""
+        sizing = ""
+        if record:
+            kv = record["mappings"].get(KV_CACHE) or record["mappings"].get(KV_CACHE_EXPANDABLE, 0)
+            how = (f"kv_cache_memory_bytes={record['kv_cache_memory_bytes']}" if record.get("kv_cache_memory_bytes")
+                   else f"gpu_memory_utilization {record['gpu_memory_utilization']}")
+            sizing = (f"; vLLM {record.get('vllm', DEFAULT_VLLM)}'s {record.get('kv_cache_sizing', TORCH_PEAK)} rule "
+                      f"sized its KV cache {_mib(kv)} at {how} beside the trainer's "
+                      f"{_mib(record['trainer_allocated_at_start'])} at its start")
+        for f in failures:
+            card = f" on a {_mib(f['capacity'])} card" if f.get("capacity") else ""
+            lines.append(f"{who}OOM in phase {f['phase']}: the colocated engine's wake_up could not map {f['name']} "
+                         f"({_mib(f['bytes'])}) beside {_mib(f['reserved'])} the trainer reserved and "
+                         f"{_mib(f['external'])} the engine held{card}{sizing}")
+        for p in rank.get("phases") or []:
+            trainer = p.get("ooms", 0) - by_phase.get(p["phase"], 0)
+            if trainer <= 0:
+                continue
+            line = f"{who}{trainer} OOM(s) in phase {p['phase']}: the trainer's cudaMalloc failed"
+            if record:
+                held = record.get("held_through_sleep_bytes", 0)
+                line += f" beside the colocated engine ({_mib(record['capacity'])} card)"
+                if held and record.get("sleep_level") is not None:
+                    line += (f", which still held {_mib(held)} after its sleep: sleep freed "
+                             f"{_mib(record.get('sleep_frees_bytes', 0))} (PYTORCH_CUDA_ALLOC_CONF="
+                             f"expandable_segments:True in the engine's process, whose MemPool vLLM "
+                             f"{record.get('vllm', DEFAULT_VLLM)}'s CuMemAllocator never sees: strip it from the "
+                             "engine's environment)")
+                elif record.get("sleep_level") is None:
+                    line += ", which never sleeps"
+            lines.append(line)
+    return lines

@@ -122,6 +122,13 @@ pybind11::bytes rows_from(int64_t from) {
   return pybind11::bytes(buf);
 }
 
+// Bytes of host memory the recording itself holds: its entries (written, hence resident) and the live-pointer map's
+// nodes (key, size, hash-node overhead). What a rank's host figures take out as the instrument's own (recorder.py).
+int64_t own_bytes() {
+  std::lock_guard<std::mutex> g(mu);
+  return static_cast<int64_t>(entries.size() * sizeof(Entry) + live_sizes.size() * 32);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -129,5 +136,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("start", &start, "start recording");
   m.def("mark", &mark, "append a marker");
   m.def("rows_from", &rows_from, "entries from an index on while recording: bytes of [N, 5] int64 rows");
+  m.def("own_bytes", &own_bytes, "bytes the recording holds itself: its entries and live-pointer map");
   m.def("stop", &stop, "stop and return entries [N, 5] int64: time_ns, ptr, size, kind, on_main");
 }

@@ -50,52 +50,53 @@ def run_critic_free_iteration(scenario: Scenario, rec: Recorder, device: str, ra
                                     dtype)
         rollout = rollout_stand_in(scenario, rec, actor_engine.module, dtype)  # LLM(...) last, as TRL; or None
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, st["batch"], prompt_len, device)  # [prompts, prompt_len]
-    if grpo:  # a group of samples per prompt, adjacent: [b, prompt_len], b = prompts * group_size
-        prompts, prompt_mask = prompts.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
-    actor_engine.eval()
-    # [b, prompt_len + answer_len] each; ReMax's argmax answers are its baseline (None for GRPO)
-    seq, greedy = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, greedy=not grpo,
-                           rollout=rollout, synced_gpus=stage == 3)
-    attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
-    with torch.no_grad():  # the actor stays in eval mode; each forward is reduced to its log-probs at once
-        with steps("infer_actor"):  # [b, prompt_len + answer_len - 1]
-            log_probs = ppo.sequence_log_probs(actor_engine(seq, attention_mask=attention_mask).logits, seq)
-        with steps("infer_reference"):  # [b, prompt_len + answer_len - 1]
-            ref_log_probs = ppo.sequence_log_probs(ref_engine(seq, attention_mask=attention_mask).logits, seq)
-        with steps("infer_reward"):  # [b] each
-            score = reward_scores(reward_engine, seq, attention_mask, prompt_len)
-            baseline = None if greedy is None else reward_scores(reward_engine, greedy, attention_mask, prompt_len)
+    for _ in steps.iterations():  # iteration 1..N on the engines built once (iterations=N)
+        prompts, prompt_mask, pad_id = random_prompts(pair, st["batch"], prompt_len, device)  # [prompts, prompt_len]
+        if grpo:  # a group of samples per prompt, adjacent: [b, prompt_len], b = prompts * group_size
+            prompts, prompt_mask = prompts.repeat_interleave(group, 0), prompt_mask.repeat_interleave(group, 0)
+        actor_engine.eval()
+        # [b, prompt_len + answer_len] each; ReMax's argmax answers are its baseline (None for GRPO)
+        seq, greedy = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, greedy=not grpo,
+                               rollout=rollout, synced_gpus=stage == 3)
+        attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
+        with torch.no_grad():  # the actor stays in eval mode; each forward is reduced to its log-probs at once
+            with steps("infer_actor"):  # [b, prompt_len + answer_len - 1]
+                log_probs = ppo.sequence_log_probs(actor_engine(seq, attention_mask=attention_mask).logits, seq)
+            with steps("infer_reference"):  # [b, prompt_len + answer_len - 1]
+                ref_log_probs = ppo.sequence_log_probs(ref_engine(seq, attention_mask=attention_mask).logits, seq)
+            with steps("infer_reward"):  # [b] each
+                score = reward_scores(reward_engine, seq, attention_mask, prompt_len)
+                baseline = None if greedy is None else reward_scores(reward_engine, greedy, attention_mask, prompt_len)
 
-    actor_engine.train()
-    if grad_ckpt:
-        actor_engine.module.gradient_checkpointing_enable()
-    start = prompt_len - 1  # the answer's log-probs start here
-    action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
-    with steps("train_actor"):
-        with torch.no_grad():
+        actor_engine.train()
+        if grad_ckpt:
+            actor_engine.module.gradient_checkpointing_enable()
+        start = prompt_len - 1  # the answer's log-probs start here
+        action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+        with steps("train_actor"):
+            with torch.no_grad():
+                if grpo:
+                    advantages = critic_free.group_advantages(score, group)  # [b]
+                else:
+                    returns = critic_free.remax_returns(start, log_probs, ref_log_probs, score, baseline,
+                                                        action_mask)  # [b, answer_len]
+            logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits  # kept to the step
+            new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])  # [b, prompt_len + answer_len - 1]
+            mask = action_mask[:, start:]  # [b, answer_len]
             if grpo:
-                advantages = critic_free.group_advantages(score, group)  # [b]
+                actor_loss = critic_free.grpo_loss(new_log_probs[:, start:], log_probs[:, start:],
+                                                   ref_log_probs[:, start:], advantages, mask)
             else:
-                returns = critic_free.remax_returns(start, log_probs, ref_log_probs, score, baseline,
-                                                    action_mask)  # [b, answer_len]
-        logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits  # kept to the step
-        new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])  # [b, prompt_len + answer_len - 1]
-        mask = action_mask[:, start:]  # [b, answer_len]
-        if grpo:
-            actor_loss = critic_free.grpo_loss(new_log_probs[:, start:], log_probs[:, start:],
-                                               ref_log_probs[:, start:], advantages, mask)
-        else:
-            actor_loss = critic_free.reinforce_loss(new_log_probs[:, start:], returns, mask)
-        actor_engine.backward(actor_loss)
-        actor_engine.step()
-        del logits, new_log_probs
-        rec.host_resident(offloaded_tensors(actor_engine, offload))
-    if grad_ckpt:
-        actor_engine.module.gradient_checkpointing_disable()
-    if rollout is not None:  # the next iteration begins by waking the engine up beside what training left cached
-        with rec.phase(NEXT_ROLLOUT):
-            rollout.wake_up()
+                actor_loss = critic_free.reinforce_loss(new_log_probs[:, start:], returns, mask)
+            actor_engine.backward(actor_loss)
+            actor_engine.step()
+            del logits, new_log_probs
+            rec.host_resident(offloaded_tensors(actor_engine, offload))
+        if grad_ckpt:
+            actor_engine.module.gradient_checkpointing_disable()
+        if rollout is not None:  # the next iteration begins by waking the engine up beside what training left cached
+            with rec.phase(NEXT_ROLLOUT):
+                rollout.wake_up()
     return {
         "algorithm": scenario.algorithm, "critic_built": False, "group_size": group if grpo else None,
         "actor_loss": float(actor_loss.detach().float()),

@@ -47,44 +47,45 @@ def run_hydra_iteration(scenario: Scenario, rec: Recorder, device: str, rank: in
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=train_cfg)
         model.set_adapter("actor")
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
-    engine.eval()
-    seq, _ = generate(steps, hydra.lm, prompts, prompt_mask, pad_id, answer_len)  # [b, prompt_len + answer_len]
-    attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
-    with torch.no_grad():  # log-probs and values: [b, prompt_len + answer_len - 1]; the reward score: [b]
-        with steps("infer_actor"):
-            log_probs = ppo.sequence_log_probs(engine(seq, attention_mask=attention_mask, head="lm"), seq)
-        with model.disable_adapter():  # LoRA off: the Hydra-SFT model is the reference and the reward
-            with steps("infer_reference"):
-                ref_log_probs = ppo.sequence_log_probs(engine(seq, attention_mask=attention_mask, head="lm"), seq)
-            with steps("infer_reward"):
-                reward_score = engine(seq, attention_mask=attention_mask, head="value")[:, -1]
-        with steps("infer_critic"):
-            model.set_adapter("critic")
-            values = engine(seq, attention_mask=attention_mask, head="value")[:, :-1]
+    for _ in steps.iterations():  # iteration 1..N on the engine built once (iterations=N)
+        prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
+        engine.eval()
+        seq, _ = generate(steps, hydra.lm, prompts, prompt_mask, pad_id, answer_len)  # [b, prompt_len + answer_len]
+        attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
+        with torch.no_grad():  # log-probs and values: [b, prompt_len + answer_len - 1]; the reward score: [b]
+            with steps("infer_actor"):
+                log_probs = ppo.sequence_log_probs(engine(seq, attention_mask=attention_mask, head="lm"), seq)
+            with model.disable_adapter():  # LoRA off: the Hydra-SFT model is the reference and the reward
+                with steps("infer_reference"):
+                    ref_log_probs = ppo.sequence_log_probs(engine(seq, attention_mask=attention_mask, head="lm"), seq)
+                with steps("infer_reward"):
+                    reward_score = engine(seq, attention_mask=attention_mask, head="value")[:, -1]
+            with steps("infer_critic"):
+                model.set_adapter("critic")
+                values = engine(seq, attention_mask=attention_mask, head="value")[:, :-1]
 
-    engine.train()
-    start = prompt_len - 1  # the answer's log-probs start here
-    action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
-    with steps("train_actor"):
-        model.set_adapter("actor")
-        with torch.no_grad():
-            rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
-            advantages, returns = ppo.get_advantages_and_returns(values, rewards, start)  # [b, answer_len]
-        logits = engine(seq, attention_mask=attention_mask, head="lm")
-        new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
-        actor_loss = ppo.actor_loss_fn(new_log_probs[:, start:], log_probs[:, start:], advantages,
-                                       action_mask[:, start:])
-        engine.backward(actor_loss)
-        engine.step()
-        del logits, new_log_probs
-    with steps("train_critic"):
-        model.set_adapter("critic")
-        value = engine(seq, attention_mask=attention_mask, head="value")[:, :-1]
-        critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
-        engine.backward(critic_loss)
-        engine.step()
-        del value
+        engine.train()
+        start = prompt_len - 1  # the answer's log-probs start here
+        action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+        with steps("train_actor"):
+            model.set_adapter("actor")
+            with torch.no_grad():
+                rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
+                advantages, returns = ppo.get_advantages_and_returns(values, rewards, start)  # [b, answer_len]
+            logits = engine(seq, attention_mask=attention_mask, head="lm")
+            new_log_probs = ppo.gather_log_probs(logits[:, :-1, :], seq[:, 1:])
+            actor_loss = ppo.actor_loss_fn(new_log_probs[:, start:], log_probs[:, start:], advantages,
+                                           action_mask[:, start:])
+            engine.backward(actor_loss)
+            engine.step()
+            del logits, new_log_probs
+        with steps("train_critic"):
+            model.set_adapter("critic")
+            value = engine(seq, attention_mask=attention_mask, head="value")[:, :-1]
+            critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
+            engine.backward(critic_loss)
+            engine.step()
+            del value
     backbone = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and "modules_to_save" not in n)
     return {
         "algorithm": "ppo", "layout": "hydra", "adapters": sorted(model.peft_config), "critic_built": True,

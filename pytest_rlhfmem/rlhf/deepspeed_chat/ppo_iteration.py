@@ -7,7 +7,8 @@ Follows microsoft/DeepSpeedExamples ``applications/DeepSpeed-Chat``: ``dschat/rl
 (``generate_experience`` and ``train_rlhf``). Facts: ``shared/reference/rlhf-frameworks.md``.
 
 Reads top to bottom: build the four engines (phase ``init``: ``builders.py``), then ``generate``, the four
-inference forwards, and the actor and critic updates. Each phase is a step (``common.PhaseSteps``): the recorder
+inference forwards, and the actor and critic updates: one iteration, or ``iterations=N`` of them on the same engines
+(``common.PhaseSteps.iterations``). Each phase is a step (``common.PhaseSteps``): the recorder
 marks it, the fault hook fires at its end, and the flush policy empties the cache after it where it says.
 
 Settings that DeepSpeed-Chat's step-3 script for the pair passes (``configs.ppo_setting``; for ``opt-1.3b``
@@ -84,62 +85,64 @@ def run_ppo_iteration(scenario: Scenario, rec: Recorder, device: str, rank: int,
                                     dtype)
         rollout = rollout_stand_in(scenario, rec, actor_engine.module, dtype)  # LLM(...) last, as TRL; or None
 
-    prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
+    for _ in steps.iterations():  # iteration 1..N on the engines built once (iterations=N)
+        prompts, prompt_mask, pad_id = random_prompts(pair, batch, prompt_len, device)  # [b, prompt_len], left-padded
 
-    # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
-    for engine in (actor_engine, critic_engine, reward_engine, ref_engine):  # self.eval(); the Hybrid Engine's
-        engine.eval()  # eval() empties the cache under ZeRO-3
-    seq, _ = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, rollout=rollout,
-                      synced_gpus=stage == 3)  # [b, prompt_len + answer_len]
-    actor_engine.train()  # self.train(): the experience forwards of actor and critic run in train mode
-    critic_engine.train()  # (dropout on, under no_grad), as ppo_trainer.py does
-    attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
-    with torch.no_grad():  # the full outputs are kept until the critic's forward, as generate_experience does
-        with steps("infer_actor"):
-            output = actor_engine(seq, attention_mask=attention_mask)  # logits [b, prompt_len + answer_len, vocab]
-        with steps("infer_reference"):
-            output_ref = ref_engine(seq, attention_mask=attention_mask)  # likewise
-        with steps("infer_reward"):
-            reward_score = reward_scores(reward_engine, seq, attention_mask, prompt_len)  # [b]
-        with steps("infer_critic"):
-            # [b, prompt_len + answer_len - 1] each: values, and the log-prob of each token after the first
-            values = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-            log_probs = ppo.sequence_log_probs(output.logits, seq)
-            ref_log_probs = ppo.sequence_log_probs(output_ref.logits, seq)
-            del output, output_ref
+        # ---- generate_experience (ppo_trainer.py) -------------------------------------------------
+        for engine in (actor_engine, critic_engine, reward_engine, ref_engine):  # self.eval(); the Hybrid Engine's
+            engine.eval()  # eval() empties the cache under ZeRO-3
+        seq, _ = generate(steps, actor_engine.module, prompts, prompt_mask, pad_id, answer_len, rollout=rollout,
+                          synced_gpus=stage == 3)  # [b, prompt_len + answer_len]
+        actor_engine.train()  # self.train(): the experience forwards of actor and critic run in train mode
+        critic_engine.train()  # (dropout on, under no_grad), as ppo_trainer.py does
+        attention_mask = full_attention_mask(prompt_mask, seq)  # [b, prompt_len + answer_len]
+        with torch.no_grad():  # the full outputs are kept until the critic's forward, as generate_experience does
+            with steps("infer_actor"):
+                output = actor_engine(seq, attention_mask=attention_mask)  # logits [b, prompt_len + answer_len, vocab]
+            with steps("infer_reference"):
+                output_ref = ref_engine(seq, attention_mask=attention_mask)  # likewise
+            with steps("infer_reward"):
+                reward_score = reward_scores(reward_engine, seq, attention_mask, prompt_len)  # [b]
+            with steps("infer_critic"):
+                # [b, prompt_len + answer_len - 1] each: values, and the log-prob of each token after the first
+                values = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+                log_probs = ppo.sequence_log_probs(output.logits, seq)
+                ref_log_probs = ppo.sequence_log_probs(output_ref.logits, seq)
+                del output, output_ref
 
-    # ---- train_rlhf (ppo_trainer.py): actor and critic are still in train mode ------------------
-    if grad_ckpt:
-        actor_engine.module.gradient_checkpointing_enable()  # only for the update, as DeepSpeed-Chat
-    start = prompt_len - 1  # the answer's log-probs start here
-    action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
-    with steps("train_actor"):
-        with torch.no_grad():
-            old_rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
-            advantages, returns = ppo.get_advantages_and_returns(values, old_rewards, start)  # [b, answer_len]
-        actor_logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits  # kept to the step
-        actor_log_prob = ppo.gather_log_probs(actor_logits[:, :-1, :], seq[:, 1:])  # [b, prompt_len + answer_len - 1]
-        actor_loss = ppo.actor_loss_fn(actor_log_prob[:, start:], log_probs[:, start:], advantages,
-                                       action_mask[:, start:])
-        actor_engine.backward(actor_loss)
-        actor_engine.step()
-        del actor_logits, actor_log_prob
-        rec.host_resident(offloaded_tensors(actor_engine, offload))  # optimizer states appear at step 1
-    with steps("train_critic"):
-        value = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
-        critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
-        critic_engine.backward(critic_loss)
-        critic_engine.step()
-        del value
-        rec.host_resident(offloaded_tensors(critic_engine, offload))
-    if ema_engine is not None:  # step 3's main.py: after each train_rlhf
-        with rec.phase("ema"):  # marked only: not one of the scenario's phases (no fault hook, no flush)
-            moving_average(actor_engine, ema_engine, zero_stage=stage)
-    if grad_ckpt:
-        actor_engine.module.gradient_checkpointing_disable()
-    if rollout is not None:  # the next iteration begins by waking the engine up beside what training left cached
-        with rec.phase(NEXT_ROLLOUT):
-            rollout.wake_up()
+        # ---- train_rlhf (ppo_trainer.py): actor and critic are still in train mode ------------------
+        if grad_ckpt:
+            actor_engine.module.gradient_checkpointing_enable()  # only for the update, as DeepSpeed-Chat
+        start = prompt_len - 1  # the answer's log-probs start here
+        action_mask = attention_mask[:, 1:]  # [b, prompt_len + answer_len - 1]
+        with steps("train_actor"):
+            with torch.no_grad():
+                old_rewards = ppo.compute_rewards(start, log_probs, ref_log_probs, reward_score, action_mask)
+                advantages, returns = ppo.get_advantages_and_returns(values, old_rewards, start)  # [b, answer_len]
+            actor_logits = actor_engine(seq, attention_mask=attention_mask, use_cache=False).logits  # kept to the step
+            # [b, prompt_len + answer_len - 1]
+            actor_log_prob = ppo.gather_log_probs(actor_logits[:, :-1, :], seq[:, 1:])
+            actor_loss = ppo.actor_loss_fn(actor_log_prob[:, start:], log_probs[:, start:], advantages,
+                                           action_mask[:, start:])
+            actor_engine.backward(actor_loss)
+            actor_engine.step()
+            del actor_logits, actor_log_prob
+            rec.host_resident(offloaded_tensors(actor_engine, offload))  # optimizer states appear at step 1
+        with steps("train_critic"):
+            value = critic_engine.module.forward_value(seq, attention_mask, return_value_only=True)[:, :-1]
+            critic_loss = ppo.critic_loss_fn(value[:, start:], values[:, start:], returns, action_mask[:, start:])
+            critic_engine.backward(critic_loss)
+            critic_engine.step()
+            del value
+            rec.host_resident(offloaded_tensors(critic_engine, offload))
+        if ema_engine is not None:  # step 3's main.py: after each train_rlhf
+            with rec.phase("ema"):  # marked only: not one of the scenario's phases (no fault hook, no flush)
+                moving_average(actor_engine, ema_engine, zero_stage=stage)
+        if grad_ckpt:
+            actor_engine.module.gradient_checkpointing_disable()
+        if rollout is not None:  # the next iteration begins by waking the engine up beside what training left cached
+            with rec.phase(NEXT_ROLLOUT):
+                rollout.wake_up()
     states = {"actor": optimizer_state_summary(actor_engine), "critic": optimizer_state_summary(critic_engine)}
     return {
         "algorithm": "ppo", "optimizer_states": states,

@@ -99,6 +99,7 @@ def context_reserve_of_the_recordings_gpu() -> int:
     return embedding - min(s["address"] for s in segments)
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_cs336_inference_script_unchanged_matches_the_gpu_recording_twice(tmp_path):
     """wedson_medium_128_inference: the profiling script as written for a GPU (model built on the host,
     ``.to("cuda")``, no seed), its own ``_dump_snapshot`` of the recorded step: the same 1,280 allocation
@@ -240,3 +241,14 @@ def test_a_host_buffer_filled_from_the_value_free_device_reads_zeros_not_what_it
         result = capture(tmp_path / values, "cuda_copy_to_host.py", id="copy-to-host", values=values)
         line = next(ln for ln in Path(result["log"]).read_text().splitlines() if ln.startswith("HOST "))
         assert json.loads(line.removeprefix("HOST ")) == {"copy_": expected, "cpu": expected}
+
+
+def test_memory_stats_from_a_second_thread_feed_each_allocation_once(tmp_path):
+    """The simulated allocator answers any thread, as the real one does under its mutex: a thread reading
+    ``torch.cuda.memory_stats()`` while the main thread allocates neither fails nor counts an event twice (a rank's
+    progress heartbeat did that on the rehearsal device: ``KeyError`` in ``generate``, ZeRO-3 at world size 2)."""
+    result = capture(tmp_path, "cuda_stats_from_a_thread.py", id="stats-thread")
+    line = next(ln for ln in Path(result["log"]).read_text().splitlines() if ln.startswith("STATS "))
+    stats = json.loads(line.removeprefix("STATS "))
+    assert stats["errors"] == []
+    assert stats["allocated"] == 0 and stats["allocs"] == stats["frees"] == 300 * 40

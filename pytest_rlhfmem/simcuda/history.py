@@ -30,6 +30,9 @@ advances 1 us per stamp), ``compile_context`` is ``"N/A"`` and ``user_metadata``
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..memory.allocator import AllocatorConfig, CachingAllocatorModel
@@ -79,13 +82,28 @@ class RingBuffer:
         self._items, self._next = [], 0
 
 
+def _locked(method: Callable) -> Callable:
+    """Run ``method`` holding the device's ``mutex``, as every public entry of ``DeviceCachingAllocator`` holds its
+    ``std::recursive_mutex mutex``: ``torch.cuda.memory_stats()`` from a second thread (a rank's progress heartbeat)
+    while the main thread allocates must not feed the same log events twice (a block freed twice: ``KeyError``)."""
+
+    @functools.wraps(method)
+    def locked(self: DeviceMemory, *args: Any, **kwargs: Any) -> Any:
+        with self.mutex:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class DeviceMemory:
     """The simulated device's caching allocator and memory history (see the module docstring); one per process.
     ``lib``: the loaded device library (``library.py: library()``); ``device()``: the current CUDA device's index
-    (``torch.cuda.current_device``), which annotations and the snapshot's ``device_traces`` are keyed by."""
+    (``torch.cuda.current_device``), which annotations and the snapshot's ``device_traces`` are keyed by. Every
+    public method holds ``mutex`` (a re-entrant lock, as the allocator's): any thread may call them."""
 
     def __init__(self, lib: ctypes.CDLL, device: Any = None) -> None:
         self.lib = lib
+        self.mutex = threading.RLock()  # DeviceCachingAllocator::mutex
         self.device = device or (lambda: 0)
         self.placement = SegmentPlacement.from_env()  # as the device's log replays: the capture's placement
         self.model = CachingAllocatorModel(AllocatorConfig(segment_placement=self.placement))
@@ -105,6 +123,7 @@ class DeviceMemory:
         self._callback_on = False
 
     # -- the log, fed through the model --------------------------------------------------------------
+    @_locked
     def update(self) -> Any:
         """Feed the log written since the last call; returns the model's statistics (``AllocatorStats``)."""
         events = read_log(self.lib, self._fed)
@@ -163,6 +182,7 @@ class DeviceMemory:
         self._annotations_read = n
 
     # -- torch.cuda.memory ------------------------------------------------------------------------------
+    @_locked
     def record_history(self, enabled: str | None, context: str | None, stacks: str, max_entries: int,
                        clear_history: bool = False, compile_context: bool = False,
                        global_record_annotations: bool = False, skip_actions: list[str] | None = None) -> None:
@@ -178,6 +198,7 @@ class DeviceMemory:
         self._record(enabled is not None, int(max_entries) if enabled == "all" else 1, context, clear_history,
                      global_record_annotations, skip_actions)
 
+    @_locked
     def record_history_legacy(self, enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1,
                               trace_alloc_record_context: bool = False, record_context_cpp: bool = False,
                               clear_history: bool = False, compile_context: bool = False,
@@ -209,6 +230,7 @@ class DeviceMemory:
         if not on or clear:
             self.trace.clear()
 
+    @_locked
     def snapshot(self, pool: tuple | None = None) -> dict:
         """``torch._C._cuda_memorySnapshot(pool)``, which ``torch.cuda.memory._snapshot()`` (``None``) and
         ``memory_snapshot()`` (``(0, 0, include_traces)``) call: the allocator now, in PyTorch's dict
@@ -235,6 +257,7 @@ class DeviceMemory:
         return {"segments": self.model.snapshot_segments(index), "device_traces": traces,
                 "allocator_settings": settings, "external_annotations": self.annotations.entries()}
 
+    @_locked
     def memory_stats(self) -> dict:
         """``torch.cuda.memory_stats()``: the keys the project and common profiling scripts read (bytes, counts),
         plus ``rlhfmem.simulated``."""
@@ -251,6 +274,7 @@ class DeviceMemory:
             "rlhfmem.simulated": 1,
         }
 
+    @_locked
     def reset_peaks(self) -> None:
         """``torch.cuda.reset_peak_memory_stats()``: each peak to its current value."""
         st = self.update()

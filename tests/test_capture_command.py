@@ -204,6 +204,7 @@ def test_fixture_update_then_pass_then_lowered_budget_fails_with_the_table(pytes
                             "*peak_reserved*1.00 MiB*OVER BUDGET*"])
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_fixture_names_crash_oom_hang_and_a_command_that_cannot_run(pytester):
     pytester.makepyfile(test_fail=f"""
 import sys
@@ -259,6 +260,7 @@ def test_a_non_zero_exit_status_without_an_exception_is_a_failure_naming_rank_an
     assert res["status"] == "failed" and res["failure"]["memory_so_far"]["peak_allocated"] >= 4 << 20
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_reports_plot_diff_and_advise_work_on_a_fixture_session(pytester, tmp_path):
     """A user's script through the fixture feeds the same outputs as a recipe: session JSON, the per-PR
     report, memory_viz snapshots, `rlhfmem diff`, `rlhfmem plot` and `rlhfmem advise`."""
@@ -278,6 +280,7 @@ def test_reports_plot_diff_and_advise_work_on_a_fixture_session(pytester, tmp_pa
     assert a.returncode == 0 and "my-trainer/phased" in a.stdout and "recommendation:" in a.stdout, a.stderr
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_one_line_takes_a_deepspeed_engines_offloaded_state_out_of_the_device_trace(tmp_path, monkeypatch):
     """A user's DeepSpeed ZeRO-2 + CPU offload script, captured without and with ``rlhfmem.deepspeed_offload``:
     with the line, the fp32 master partition and Adam's two states (host memory under offload) leave the
@@ -302,6 +305,7 @@ def test_one_line_takes_a_deepspeed_engines_offloaded_state_out_of_the_device_tr
     assert saved >= 0.9 * states, (saved, states)
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_capture_cuda_emulation_and_time_rounds_switches_reach_the_command(tmp_path):
     """rlhfmem capture has run's switches: --cuda-emulation off records the CPU trace as is (no cuBLAS
     workspace added: the peak drops by it), --time-rounds 2 runs the command twice."""
@@ -322,6 +326,7 @@ def test_capture_cuda_emulation_and_time_rounds_switches_reach_the_command(tmp_p
     assert r.returncode == 2 and "argument --time-rounds: '0': allowed values are an integer >= 1" in r.stderr
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_fixture_follows_the_cuda_emulation_and_time_rounds_options(pytester):
     pytester.makepyfile(test_opts=f"""
 import sys

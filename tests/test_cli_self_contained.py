@@ -2,6 +2,7 @@
 and still advises), no work directory is left behind unless asked for or the run failed, captures of one
 program get one default id, and a diff where nothing matched cannot pass."""
 
+import pytest
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ def test_a_moved_capture_json_still_advises_and_no_work_directory_is_left(tmp_pa
     assert a.returncode == 0 and "plain" in a.stdout, a.stdout + a.stderr
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_keep_work_keeps_it_and_a_failed_run_keeps_it_and_prints_where(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -52,6 +54,7 @@ def test_keep_work_keeps_it_and_a_failed_run_keeps_it_and_prints_where(tmp_path)
     assert len(kept) == 1 and f"work directory kept: {kept[0]}" in r.stdout
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_captures_with_other_scratch_arguments_get_one_default_id_and_diff_pairs_them(tmp_path):
     outs = []
     for batch in (256, 2048):

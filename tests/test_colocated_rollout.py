@@ -94,6 +94,7 @@ def _wake(trace, util, level, flush):
     return replay(ct, capacity=CAPACITY), info
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_the_flush_before_wake_up_on_a_deepspeed_chat_trace(deepspeed_chat_trace):
     """The seed finding, colocated: after training, the trainer's allocator holds cached blocks when the next
     rollout wakes the engine. For every utilization where the wake-up fails without the trainer's flush, and

@@ -58,7 +58,8 @@ def test_lint_tools_are_pinned():
 EXPECTED = {"py": "deepspeed.txt", "suite": "deepspeed.txt", "methods-mid": "deepspeed.txt",
             "nvme": "deepspeed.txt", "study-sim": "deepspeed.txt", "study-sensitivity": "deepspeed.txt",
             "gpu1-sim": "deepspeed.txt", "gpu-suite": "deepspeed.txt", "sim-fidelity": "deepspeed.txt",
-            "colocated-study": "deepspeed.txt", "sim-dist": "deepspeed.txt", "incidents": "deepspeed.txt",
+            "colocated-study": "deepspeed.txt", "sim-dist": "deepspeed.txt", "long": "deepspeed.txt",
+            "incidents": "deepspeed.txt",
             "growth": "deepspeed.txt", "deps-upgrade": "deepspeed.txt",
             "colossalai": "colossalai.txt", "colossalai-suite": "colossalai.txt", "lint": "lint.txt",
             "trl": "trl.txt", "latest": None}

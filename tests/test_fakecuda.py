@@ -111,6 +111,7 @@ def test_tiny_deepspeed_chat_iteration_on_the_simulated_device(tmp_path, strateg
                 r["peak_phase"]) == (62_914_560, 51_551_744, 13_673_472, 12, "train_actor"), r["scenario_id"]
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_ema_keeps_a_fifth_model_and_updates_it_after_training(tmp_path):
     """DeepSpeed-Chat's ``--enable_ema`` (``rlhf_engine.py: _init_ema``, ``utils.py: moving_average``): the
     actor's moving-average copy is built in ``init`` (reference's eval config) and updated in an ``ema``
@@ -140,6 +141,7 @@ def test_simulated_device_models_the_memory_efficient_attention_kernel(tmp_path)
         run_fake_cuda(sc, work_dir=tmp_path, tensors="fake", sdpa="efficient")
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_the_hybrid_engine_runs_as_deepspeeds_own_on_the_fake_route(tmp_path):
     """The Hybrid Engine on the simulated CUDA device: DeepSpeed's ``DeepSpeedHybridEngine`` with the
     ``transformer_inference`` op standing in without kernels (``standins._install_hybrid_engine``); it injects
@@ -251,6 +253,7 @@ def test_record_stream_holds_a_freed_block_until_the_host_waits_for_its_stream()
     assert everything[-1] == (3, (2, 0xA, 512, 0, 4))
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_record_stream_until_sync_on_the_route(tmp_path, monkeypatch):
     """ZeRO-2 with ``overlap_comm`` records its gradient buckets on the reduction stream
     (``stage_1_and_2.py``): with ``until-sync`` those blocks return to their pool at a host sync, so peak reserved

@@ -48,6 +48,7 @@ def phase_table(readme: str, cell: str) -> dict[str, dict[str, str]]:
     return rows
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_cpu_mode_tables_show_the_figures_of_the_result_jsons(cpu_run):
     out, _, _ = cpu_run
     readme = (out / "README.md").read_text()
@@ -79,6 +80,7 @@ def test_cpu_mode_tables_show_the_figures_of_the_result_jsons(cpu_run):
     assert "| deepspeed-chat/tiny-opt/zero2/flush-after-inference/x1 | not run: no CUDA device |" in readme
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_cpu_mode_runs_the_workload_on_the_simulated_device_and_records_each_step(cpu_run):
     out, _, stdout = cpu_run
     results = json.loads((out / "results.json").read_text())
@@ -106,6 +108,7 @@ def test_cpu_mode_runs_the_workload_on_the_simulated_device_and_records_each_ste
     assert any(k.endswith(".rlhftrace") for k in results["files"]) and not list(out.rglob("*.rlhftrace"))
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_the_packed_tarball_unpacks_into_docs_gpu_runs_only(cpu_run, tmp_path):
     out, pack, _ = cpu_run
     tarball = pack / gpu_check.TARBALL

@@ -60,6 +60,7 @@ def test_bad_node_options_are_one_line_before_launching(args, fragment, tmp_path
     assert not (tmp_path / "w").exists()  # refused before any work directory or agent
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_two_agents_measure_what_one_agent_measures(iteration_result, tmp_path):
     """Two torchrun agents (c10d rendezvous on localhost, one rank each) and one agent with two ranks run the
     same world-size-2 scenario: the same figures per phase, within the scenario's known race."""
@@ -90,6 +91,7 @@ def test_two_agents_measure_what_one_agent_measures(iteration_result, tmp_path):
             assert abs(a[m] - b[m]) <= race.get(m, 0), (name, m, a[m], b[m])
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_a_rank_failing_on_the_other_node_fails_the_aggregated_result(tmp_path):
     """Static rendezvous (node rank 1 runs rank 1): rank 1 raises in ``generate`` on node 1; node 0's agent,
     which aggregates, reports the run failed, naming rank 1 first; node 1's agent reports its own failure."""

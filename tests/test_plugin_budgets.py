@@ -22,6 +22,7 @@ def _budget(pytester):
     return pytester.path / "baselines" / "cpu" / "my_rlhf.yaml"
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_users_own_test_update_check_and_lowered_budget(pytester):
     """Four sessions, as a user meets them: no budget yet, the update (beside a teammate's entry it must keep),
     within budget, and over a lowered budget with the advice and the per-PR report."""
@@ -109,6 +110,7 @@ def test_each_malformed_file(ppo_iteration, memory_budget):
         assert "malformed baseline file" in line and fragment.format(id=SCENARIO) in line, line
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_xdist_two_workers_update_one_file(pytester):
     pytest.importorskip("xdist")
     pytester.makepyfile(test_pair="""
@@ -143,6 +145,7 @@ def test_after_crash_session_goes_on():
                             "*memory so far (simulated): peak reserved *"])
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_hung_rank_is_killed_at_the_timeout_and_nothing_is_left(pytester):
     pytester.makepyfile(test_hang="""
 def test_hang(ppo_iteration):

@@ -34,6 +34,7 @@ def test_every_phase_is_measured_with_finite_losses(run):
 
 
 @pytest.mark.parametrize("strategy", ["none", "zero2"])
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_stages_0_to_2_are_deterministic(strategy, run, tmp_path):
     first = run(strategy)
     again = run_scenario(Scenario("deepspeed-chat", "tiny-opt", strategy, "none", 2), device="cpu", timeout=600,
@@ -47,16 +48,19 @@ def test_stages_0_to_2_are_deterministic(strategy, run, tmp_path):
         assert abs(again["metrics"][m] - first["metrics"][m]) <= 512, m
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_zero3_lowers_peak_allocated_below_none(run):
     assert run("zero3")["metrics"]["peak_allocated"] < run("none")["metrics"]["peak_allocated"]
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_offload_is_applied_so_zero3_offload_reserves_less_than_zero3(run):
     offload, plain = run("zero3-offload"), run("zero3")
     assert all(r["host_bytes_annotated"] > 0 for r in offload["ranks"])
     assert offload["metrics"]["peak_reserved"] < plain["metrics"]["peak_reserved"]
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_flush_frees_no_tensor_and_frees_segments_only_at_the_policy_points(run):
     results = {f: run("zero2", f) for f in FLUSH_POLICIES}
     expected = {
@@ -107,6 +111,7 @@ def test_value_heads_fit_a_critic_checkpoint_of_another_width(tmp_path):
     assert out["values"].shape == (2, 8) and out["chosen_end_scores"].shape == (2,)
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_hybrid_engine_is_deepspeeds_own_and_empties_the_cache_in_eval_under_zero3(run):
     """``hybrid_engine`` (DeepSpeed-Chat's ``--enable_hybrid_engine``): the actor is DeepSpeed's
     ``DeepSpeedHybridEngine``. With transformers 5 it injects no kernel into OPT (``hybrid_engine.py``:

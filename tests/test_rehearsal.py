@@ -175,7 +175,8 @@ def _cut(path: Path, metric: str, factor: float) -> None:
 @pytest.mark.parametrize("fixture_call", [
     pytest.param(f"""rlhfmem_command([sys.executable, {str(COMMANDS / 'cuda_phased_flush.py')!r}], id="loop")""",
                  id="rlhfmem_command"),
-    pytest.param("""ppo_iteration(strategy="zero2", world_size=1)""", id="ppo_iteration"),
+    # the recipe through the fixture: 110 s on 2 cores, tox -e long (its figures: the recipe test above, by default)
+    pytest.param("""ppo_iteration(strategy="zero2", world_size=1)""", id="ppo_iteration", marks=pytest.mark.long),
 ])
 def test_the_fixtures_on_the_rehearsal_update_pass_and_fail_a_cut_budget(pytester, monkeypatch, fixture_call):
     pytester.makepyfile(test_rehearsed=textwrap.dedent(f"""

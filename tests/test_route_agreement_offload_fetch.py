@@ -9,6 +9,7 @@ was 19.8 MiB against the fake-CUDA route's 27.3 MiB (both simulated), with every
 blocks missing. ``rlhf/deepspeed_chat: copy_offloaded_fetches`` makes the CPU route copy as a GPU does.
 """
 
+import pytest
 from pytest_rlhfmem.fakecuda.run import run_fake_cuda
 from pytest_rlhfmem.rlhf.scenario import Scenario
 
@@ -16,6 +17,7 @@ CELL = Scenario("deepspeed-chat", "tiny-opt", "zero3-offload", "none", 1)
 PHASES_COMPARED = ("train_actor",)  # where the iteration peaks: every fetched copy of the backward live
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_cpu_route_records_the_device_copy_of_each_offloaded_fetch_as_the_fake_cuda_route(iteration_result,
                                                                                         tmp_path):
     cpu = iteration_result(CELL)

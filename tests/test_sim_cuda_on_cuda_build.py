@@ -98,6 +98,7 @@ def run(*cuda_libraries: Path) -> tuple[subprocess.CompletedProcess, dict | None
     return proc, json.loads(line.removeprefix("RESULT ")) if line else None
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_the_device_runs_as_on_a_cpu_build_beside_a_cuda_builds_hooks_kernels_and_stubs(standin):
     cpu_proc, cpu = run()
     assert cpu is not None, cpu_proc.stderr[-3000:]

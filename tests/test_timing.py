@@ -90,6 +90,7 @@ def test_step(ppo_iteration, flush):
 """
 
 
+@pytest.mark.long  # a minute or more on 2 cores: tox -e long (pyproject.toml's markers)
 def test_time_rounds_reach_the_session_summary_with_the_flush_cost(pytester):
     """``--rlhfmem-time-rounds 2`` in a real session: each result keeps its 2 rounds, and the flush policy's
     summary line compares the two times with their noise and the flush's own cost counted from the trace.

@@ -35,6 +35,7 @@ ROUTE: tuple[tuple[str, str], ...] = (
     ("rlhf/launch.py", "_sim_cuda_library"),
     ("command/rank.py", "_start_cuda"),
     ("record/rank.py", "_cuda_peaks"),
+    ("record/rank.py", "_current_cuda_device"),
     ("record/rank.py", "_write_snapshot"),
     ("record/recorder.py", "Recorder._start_cuda"),
     ("record/recorder.py", "Recorder._mark_cuda"),

@@ -141,3 +141,36 @@ def test_every_unit_of_the_gpu_route_exists_and_its_hardware_only_lines_say_why(
     assert len(units) == len(gpu_route.ROUTE) and all(u.lines for u in units)
     marked = {(f, n): why for f in gpu_route.ROUTE_FILES for n, why in gpu_route.hardware_only(f).items()}
     assert marked and all(why for why in marked.values())  # each names its reason
+
+
+def test_the_heartbeat_reads_the_ranks_device_not_its_threads_device_0(monkeypatch, tmp_path):
+    """cudaSetDevice is per host thread: the heartbeat's thread starts on device 0 whatever the rank set, so a rank 1
+    that read ``memory_stats()`` there wrote device 0's empty figures over its own. ``start()`` reads the rank's
+    device on the main thread, and every progress file is written from it. (torch.cuda answered by a stand-in with a
+    per-thread current device: a CPU build of torch has none.)"""
+    import json
+    import threading
+
+    import torch
+
+    from pytest_rlhfmem.record.rank import RankCapture, _current_cuda_device
+
+    main = threading.main_thread()
+    stats = {0: {}, 1: {"reserved_bytes.all.peak": 64 << 20, "allocated_bytes.all.peak": 48 << 20}}
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 if threading.current_thread() is main else 0)
+    monkeypatch.setattr(torch.cuda, "memory_stats",
+                        lambda device=None: stats[torch.cuda.current_device() if device is None else device])
+    cap = RankCapture(identity=None, device="cuda", out_dir=tmp_path, rank=1, world_size=2)
+    cap._cuda_index = _current_cuda_device()  # what start() reads, on the main thread
+    beat = threading.Thread(target=cap.progress, args=("generate",))
+    beat.start()
+    beat.join()
+    written = json.loads((tmp_path / "progress-rank1.json").read_text())
+    assert (written["peak_reserved"], written["peak_allocated"]) == (64 << 20, 48 << 20)
+
+    def not_initialised():
+        raise RuntimeError("CUDA driver not initialised")
+
+    monkeypatch.setattr(torch.cuda, "current_device", not_initialised)
+    assert _current_cuda_device() is None

@@ -200,6 +200,7 @@ class RankCapture:
 
         self._lock = threading.Lock()
         self._stop_beat = threading.Event()
+        self._cuda_index: int | None = None  # CUDA: the rank's device, read on the main thread at start()
         self.out_dir = Path(self.out_dir)
         self._progress = self.out_dir / f"progress-rank{self.rank}.json"
 
@@ -221,7 +222,7 @@ class RankCapture:
     def _write_progress(self, phase: str) -> None:
         prog = {"rank": self.rank, "pid": os.getpid(), "phase": phase, "host_rss": current_rss(), "time": time.time()}
         if code_device(self.device) == "cuda":
-            prog |= _cuda_peaks()
+            prog |= _cuda_peaks(self._cuda_index)
         elif self.rec is not None and self.capture:
             try:
                 so_far = self.rec.figures_so_far()
@@ -255,6 +256,8 @@ class RankCapture:
         self.rec.start()
         self.rec.intercept_empty_cache()
         self.rec.intercept_history()  # CUDA: the program's own history calls cannot stop or resize ours
+        if device == "cuda":  # the heartbeat's thread starts on device 0 (cudaSetDevice is per host thread)
+            self._cuda_index = _current_cuda_device()
         api._activate(self.rec)
         import threading
 
@@ -356,13 +359,26 @@ class RankCapture:
         return result
 
 
-def _cuda_peaks() -> dict:
-    """CUDA: the caching allocator's peaks so far (bytes, measured; never reset by the recorder), or ``{}`` where
-    they cannot be read (CUDA not initialised yet)."""
+def _current_cuda_device() -> int | None:
+    """The calling thread's current CUDA device, or ``None`` before CUDA is initialised (asking then would
+    initialise it)."""
     try:
         import torch
 
-        stats = torch.cuda.memory_stats()
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    except (ImportError, RuntimeError):
+        return None
+
+
+def _cuda_peaks(device: int | None = None) -> dict:
+    """CUDA: the caching allocator's peaks so far on ``device`` (the rank's; ``None``: the calling thread's current
+    device, which for any thread but the one that called ``torch.cuda.set_device`` is device 0: rank 1's heartbeat
+    read device 0's empty statistics) in bytes, measured (never reset by the recorder), or ``{}`` where they cannot
+    be read (CUDA not initialised yet)."""
+    try:
+        import torch
+
+        stats = torch.cuda.memory_stats(device)
     except (ImportError, RuntimeError):
         return {}
     return {"peak_reserved": int(stats.get("reserved_bytes.all.peak", 0)),

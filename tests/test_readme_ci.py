@@ -20,7 +20,7 @@ from doctables.options import plugin_options
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "examples" / "github-actions"
 JOBS = {"own-trainer.yml": {"cpu", "gpu"}, "rerecord-baselines.yml": {"record-cpu", "record-gpu"},
-        "rlhfmem.yml": {"cpu", "gpu-1", "gpu-4"}, "dependency-upgrade.yml": {"deps-diff"},
+        "rlhfmem.yml": {"cpu", "cpu-suites", "gpu-1", "gpu-4"}, "dependency-upgrade.yml": {"deps-diff"},
         "release.yml": {"build", "publish"}}
 GPU_JOBS = {("own-trainer.yml", "gpu"), ("rerecord-baselines.yml", "record-gpu"), ("rlhfmem.yml", "gpu-1"),
             ("rlhfmem.yml", "gpu-4")}

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -176,24 +177,51 @@ def deps_diff(base_spec: str, head_spec: str, cell: list[str], work: Path | None
               timeout: float | None = None) -> tuple[str, dict, bool]:
     """Record ``cell`` under both dependency sets and diff them: returns ``(markdown, json report, regressed)``.
     ``work``: where both results, their traces, each side's distributions and the logs go (default a new
-    temporary directory, named in the report's JSON as ``work_dir``). ``timeout``: seconds each side's run may take.
+    temporary directory, named in the report's JSON as ``work_dir``, and removed again when the command is refused
+    before either side's cell ran: a bad dependency set or cell leaves nothing behind). ``timeout``: seconds each
+    side's run may take.
     Raises :class:`~.errors.CliError` (one line) for a dependency set that cannot be used or built, a cell that is
     not ``run``/``capture``, a side whose run ended without a result, or results that cannot be compared."""
     try:
         limit = parse_threshold(threshold)
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    made = work is None
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="rlhfmem-deps-diff-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _deps_diff(base_spec, head_spec, cell, work, envs_dir, extras, limit, timeout)
+    except _Refused as exc:
+        if made:
+            shutil.rmtree(work, ignore_errors=True)
+        raise exc.error from None
+
+
+class _Refused(Exception):
+    """A :class:`CliError` raised before either side's cell ran (``error``)."""
+
+    def __init__(self, error: CliError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _deps_diff(base_spec: str, head_spec: str, cell: list[str], work: Path, envs_dir: Path | None, extras: str,
+               limit: float, timeout: float | None) -> tuple[str, dict, bool]:
+    """:func:`deps_diff` in ``work``; a refusal before any cell ran is raised as :class:`_Refused`."""
     envs = Path(envs_dir) if envs_dir is not None else cache_dir() / "deps-envs"
     log = work / "deps-diff.log"
-    sides = {}
-    for name, spec in (("base", base_spec), ("head", head_spec)):
-        sides[name] = resolve(spec, envs, extras, log)
-        (work / f"{name}-distributions.json").write_text(json.dumps(sides[name].distributions, indent=1))
+    sides, cmds = {}, {}
+    try:
+        for name, spec in (("base", base_spec), ("head", head_spec)):
+            sides[name] = resolve(spec, envs, extras, log)
+            (work / f"{name}-distributions.json").write_text(json.dumps(sides[name].distributions, indent=1))
+        for name, side in sides.items():
+            cmds[name] = cell_command(side, cell, work / f"{name}.json")
+    except CliError as exc:
+        raise _Refused(exc) from None
     for name, side in sides.items():
         out = work / f"{name}.json"
-        cmd = cell_command(side, cell, out)
+        cmd = cmds[name]
         with open(log, "ab") as f:
             f.write(f"$ {shlex.join(cmd)}\n".encode())
             f.flush()

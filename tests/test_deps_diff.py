@@ -90,14 +90,19 @@ def test_the_phase_that_moved_is_the_one_whose_allocation_moved_not_the_later_ca
 
 
 def test_bad_sides_and_cells_are_one_line(tmp_path):
-    r = rlhfmem_cli("deps-diff", "--base", str(tmp_path / "nothing"), "--head", sys.executable, "--", *CELL)
+    """Each refusal is one line, and leaves no temporary work directory behind (it made one before refusing)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {"TMPDIR": str(tmp)}
+    r = rlhfmem_cli("deps-diff", "--base", str(tmp_path / "nothing"), "--head", sys.executable, "--", *CELL, env=env)
     assert r.returncode == 2
     assert "not an interpreter, a virtual environment's directory or a constraints file" in r.stderr
-    r = rlhfmem_cli("deps-diff", "--base", sys.executable, "--head", sys.executable, "--", "replay", "x")
+    r = rlhfmem_cli("deps-diff", "--base", sys.executable, "--head", sys.executable, "--", "replay", "x", env=env)
     assert r.returncode == 2 and "after --: run or capture and its arguments" in r.stderr
     r = rlhfmem_cli("deps-diff", "--base", sys.executable, "--head", sys.executable, "--", "capture", "--json", "x",
-                    "--", "a.py")
+                    "--", "a.py", env=env)
     assert r.returncode == 2 and "the cell's --json is deps-diff's own" in r.stderr
+    assert list(tmp.glob("rlhfmem-deps-diff-*")) == []
 
 
 def test_the_ci_recipe_runs_a_command_the_cli_accepts():

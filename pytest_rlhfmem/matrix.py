@@ -86,10 +86,13 @@ PORTABLE_FIGURES = ("peak_reserved", "peak_allocated", "fragmentation_at_peak", 
 # on either side of the peak: `rlhfmem run --strategy zero3-offload --flush after-inference --world-size 2 --device
 # cpu` three times on 62604d1 gave peak allocated 28,287,488 / 28,549,632 / 28,287,488 B, fragmentation at peak
 # 13,598,720 / 13,336,576 / 13,598,720 B, cudaMalloc 12 / 9 / 12, peak reserved 32 MiB each (the clean-clone CI of
-# 55fef3b, native vs forced avx2 + fp16: 13,336,576 vs 13,598,720 B). The bound is the largest such block, 512 KiB.
-# Everything else is exact.
+# 55fef3b, native vs forced avx2 + fp16: 13,336,576 vs 13,598,720 B). Peak allocated's bound is the largest such
+# block, 512 KiB. Fragmentation at peak also moves when such a free decides whether empty_cache() releases a small
+# segment (2 MiB, kSmallBuffer) that later allocations reuse: `all` after-inference x2 gave 4,171,776 B in five runs
+# here on 407648b (three native, two forced to the weakest CPU) and 4,826,112 B (+639 KiB, peak allocated equal) in
+# one forced run of `tox -e suite` on ec00212; its bound is one small segment. Everything else is exact.
 ZERO2_RACE = {"peak_allocated": 512, "fragmentation_at_peak": 512}
-ZERO3_FLUSH_RACE = {"peak_allocated": 512 * 1024, "fragmentation_at_peak": 512 * 1024, "cuda_malloc_count": 3}
+ZERO3_FLUSH_RACE = {"peak_allocated": 512 * 1024, "fragmentation_at_peak": 2 * 2**20, "cuda_malloc_count": 3}
 DDP_RACE = {"peak_reserved": 14 * 2**20, "peak_allocated": 11 * 2**20, "fragmentation_at_peak": 14 * 2**20,
             "cuda_malloc_count": 2}
 

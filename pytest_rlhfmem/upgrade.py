@@ -189,36 +189,19 @@ def deps_diff(base_spec: str, head_spec: str, cell: list[str], work: Path | None
     made = work is None
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="rlhfmem-deps-diff-"))
     work.mkdir(parents=True, exist_ok=True)
-    try:
-        return _deps_diff(base_spec, head_spec, cell, work, envs_dir, extras, limit, timeout)
-    except _Refused as exc:
-        if made:
-            shutil.rmtree(work, ignore_errors=True)
-        raise exc.error from None
-
-
-class _Refused(Exception):
-    """A :class:`CliError` raised before either side's cell ran (``error``)."""
-
-    def __init__(self, error: CliError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _deps_diff(base_spec: str, head_spec: str, cell: list[str], work: Path, envs_dir: Path | None, extras: str,
-               limit: float, timeout: float | None) -> tuple[str, dict, bool]:
-    """:func:`deps_diff` in ``work``; a refusal before any cell ran is raised as :class:`_Refused`."""
     envs = Path(envs_dir) if envs_dir is not None else cache_dir() / "deps-envs"
     log = work / "deps-diff.log"
     sides, cmds = {}, {}
-    try:
+    try:  # refused before either side's cell ran: the directory made for it goes again
         for name, spec in (("base", base_spec), ("head", head_spec)):
             sides[name] = resolve(spec, envs, extras, log)
             (work / f"{name}-distributions.json").write_text(json.dumps(sides[name].distributions, indent=1))
         for name, side in sides.items():
             cmds[name] = cell_command(side, cell, work / f"{name}.json")
-    except CliError as exc:
-        raise _Refused(exc) from None
+    except CliError:
+        if made:
+            shutil.rmtree(work, ignore_errors=True)
+        raise
     for name, side in sides.items():
         out = work / f"{name}.json"
         cmd = cmds[name]
